@@ -1,0 +1,81 @@
+"""The Python API: ``laserlm.load(name)`` returns a :class:`LaserLM` with ``generate`` and ``stream``.
+
+Example::
+
+    import laserlm
+    lm = laserlm.load("smollm2-135m")
+    print(lm.generate("The capital of France is", max_new_tokens=20).text)
+    for piece in lm.stream("Tell me a joke", chat=True, temperature=0.7, seed=0):
+        print(piece, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .models.loader import LoadedModel, load_model
+from .runtime.engine import Engine
+from .runtime.generate import Generation, GenerationResult, encode_prompt, eos_token_ids
+from .runtime.modes import make_mode
+from .runtime.sampling import SamplingParams
+
+
+class LaserLM:
+    """A loaded model with its engine.
+
+    Attributes:
+        loaded: the :class:`~laserlm.models.loader.LoadedModel` (transformers model + tokenizer).
+        engine: the :class:`~laserlm.runtime.engine.Engine` (layer loop + KV cache).
+    """
+
+    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None):
+        self.loaded = loaded
+        self.engine = Engine(loaded, max_seq_len=max_seq_len)
+        self.tokenizer = loaded.tokenizer
+        self.eos_ids = eos_token_ids(loaded.model, loaded.tokenizer)
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    def mode(self, spec="full"):
+        """Build a decoding mode from a spec string such as ``"full"`` (see :mod:`laserlm.runtime.modes`)."""
+        return make_mode(spec, self.engine)
+
+    def _token_source(self, mode) -> Callable:
+        m = self.mode(mode)
+        return lambda ids, params, n: m.tokens(self.engine, ids, params, n)
+
+    def stream(self, prompt, *, chat: bool = False, mode: str = "full", on_token: Callable | None = None,
+               **sampling) -> Generation:
+        """Start generating; iterate the returned :class:`Generation` for text pieces, then read ``.result``.
+
+        Args:
+            prompt: text, or a list of chat messages.
+            chat: apply the model's chat template.
+            mode: decoding mode spec (``"full"``, ``"adaptive:..."``, ``"speculative:..."``) or a mode object.
+            **sampling: fields of :class:`~laserlm.runtime.sampling.SamplingParams`
+                (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``).
+
+        Raises:
+            InvalidArgumentError: bad sampling values or empty prompt.
+            ContextLengthError: prompt longer than the context.
+        """
+        params = SamplingParams(**sampling).validate()
+        source = self._token_source(mode)
+        ids = encode_prompt(self.tokenizer, prompt, chat, self.engine.max_seq_len)
+        return Generation(self.tokenizer, ids, source, params, self.eos_ids,
+                          self.engine.max_seq_len, on_token=on_token)
+
+    def generate(self, prompt, *, chat: bool = False, mode: str = "full", **sampling) -> GenerationResult:
+        """Generate to completion; returns a :class:`~laserlm.runtime.generate.GenerationResult`."""
+        return self.stream(prompt, chat=chat, mode=mode, **sampling).run()
+
+
+def load(name: str = "smollm2-135m", dtype: str = "float32", max_seq_len: int | None = None) -> LaserLM:
+    """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id.
+
+    Raises:
+        ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError, InvalidArgumentError.
+    """
+    return LaserLM(load_model(name, dtype=dtype), max_seq_len=max_seq_len)

@@ -1,0 +1,178 @@
+"""The ``laserlm`` command.
+
+Subcommands register themselves through ``add_parser(subparsers)`` functions; ``generate`` and
+``models`` live here, ``eval`` / ``bench`` / ``calibrate`` in their packages. Every user error is a
+:class:`~laserlm.errors.LaserLMError`: printed as one ``laserlm: error: ...`` line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from .errors import LaserLMError
+
+EXIT_USAGE = 2
+
+# packages that contribute subcommands through add_parser(subparsers); optional while under construction
+SUBCOMMAND_MODULES = ["laserlm.evaluation.cli", "laserlm.bench.cli", "laserlm.training.cli"]
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by every command that loads a model."""
+    p.add_argument("--model", "-m", default="smollm2-135m",
+                   help="bundled name (see `laserlm models`), .gguf file, model directory or cached hub id "
+                        "(default: %(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights and activations dtype (default: %(default)s)")
+    p.add_argument("--ctx-size", "-c", type=int, default=None,
+                   help="context size of the KV cache in tokens (default: min(4096, model limit))")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def add_mode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="full",
+                   help="decoding mode spec NAME[:key=value,...], e.g. full, adaptive:..., speculative:... "
+                        "(default: %(default)s)")
+
+
+def apply_threads(args) -> None:
+    if getattr(args, "threads", None):
+        import torch  # noqa: PLC0415
+
+        if args.threads < 1:
+            raise LaserLMError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
+def load_from_args(args):
+    """Build a :class:`laserlm.LaserLM` from the shared model arguments."""
+    from .api import load  # noqa: PLC0415
+
+    apply_threads(args)
+    return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size)
+
+
+# -- generate -----------------------------------------------------------------------------------
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt (streams to the terminal)",
+                       description="Generate a continuation of PROMPT and stream it to stdout.")
+    p.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")
+    add_model_args(p)
+    add_mode_args(p)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--max-tokens", "-n", type=int, default=128, dest="max_new_tokens",
+                   help="maximum new tokens (default: %(default)s)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k filter, 0 = off (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus filter in (0, 1] (default: %(default)s)")
+    p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating after end-of-sequence")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with the text and stats instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise LaserLMError("no prompt given (pass it as an argument or on standard input)")
+        prompt = sys.stdin.read()
+    from .runtime.sampling import SamplingParams  # noqa: PLC0415
+
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    SamplingParams(**sampling).validate()  # fail before the model loads
+    lm = load_from_args(args)
+    gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
+    if args.json:
+        result = gen.run()
+        out = {"model": args.model, "dtype": args.dtype, "mode": args.mode, "text": result.text,
+               **result.stats()}
+        print(json.dumps(out))
+        return 0
+    for piece in gen:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = gen.result
+    if r.finish_reason == "context":
+        print(f"laserlm: warning: stopped at the context size ({lm.engine.max_seq_len} tokens); "
+              "raise --ctx-size for longer output", file=sys.stderr)
+    print(f"[{r.prompt_tokens} prompt tokens, {r.generated_tokens} generated, TTFT {r.ttft_s * 1000:.0f} ms, "
+          f"{r.decode_tokens_per_s:.1f} tok/s, {r.mean_layers_per_token:.1f} layers/token, "
+          f"finish: {r.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+# -- models -------------------------------------------------------------------------------------
+def _add_models(sub) -> None:
+    p = sub.add_parser("models", help="list the bundled model names",
+                       description="List bundled model names and whether their package is installed.")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_models)
+
+
+def cmd_models(args) -> int:
+    from .models.loader import SUPPORTED_MODEL_TYPES  # noqa: PLC0415
+    from .models.registry import BUNDLED, is_installed  # noqa: PLC0415
+
+    rows = [{"name": m.name, "installed": is_installed(m.name), "description": m.description,
+             "install": m.install_hint} for m in BUNDLED.values()]
+    if args.json:
+        print(json.dumps({"bundled": rows, "supported_families": list(SUPPORTED_MODEL_TYPES.values())}))
+        return 0
+    for r in rows:
+        mark = "installed" if r["installed"] else f"not installed: {r['install']}"
+        print(f"{r['name']:<14} {r['description']}  [{mark}]")
+    print("\nAlso accepted: a .gguf file, a local model directory, or a locally cached hub id.")
+    print("Supported families: " + ", ".join(SUPPORTED_MODEL_TYPES.values()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(prog="laserlm", description="Adaptive-compute inference for causal LMs.")
+    parser.add_argument("--version", action="version", version=f"laserlm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_generate(sub)
+    _add_models(sub)
+    for mod in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name and mod.startswith(exc.name):
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args.func(args) or 0
+    except LaserLMError as exc:
+        print(f"laserlm: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nlaserlm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

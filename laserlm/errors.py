@@ -1,0 +1,30 @@
+"""Errors raised by laserlm.
+
+Every error a user can cause derives from :class:`LaserLMError`; the CLI prints its message on one
+line and exits with status 2, never a traceback. Errors about argument values also derive from
+:class:`ValueError` so that library users can catch them the usual way.
+"""
+
+
+class LaserLMError(Exception):
+    """Base class of all user-facing laserlm errors."""
+
+
+class ModelNotFoundError(LaserLMError, FileNotFoundError):
+    """An unknown bundled model name, or a path that does not exist."""
+
+
+class CorruptModelError(LaserLMError):
+    """A model or artifact file exists but cannot be read."""
+
+
+class UnsupportedArchitectureError(LaserLMError):
+    """The model's architecture has no laserlm adapter."""
+
+
+class ContextLengthError(LaserLMError, ValueError):
+    """A prompt (or prompt plus requested tokens) longer than the engine's context."""
+
+
+class InvalidArgumentError(LaserLMError, ValueError):
+    """An out-of-range or inconsistent argument (sampling values, thresholds, groups, ...)."""

@@ -1,0 +1,153 @@
+"""laserlm's attention function, called by the unmodified transformers attention modules.
+
+The engine registers :func:`laser_attention_forward` with transformers' ``AttentionInterface`` under
+the name ``"laserlm"`` and sets it as the model's attention implementation. Inside an engine step an
+:class:`AttentionContext` is active: it knows the absolute positions of the queries, so the function
+builds causal / sliding-window masks itself (no per-step mask objects from transformers), and it is the
+single place where attention is computed, which is where later techniques hook in:
+
+- ``want_probs``: layers whose attention distribution is kept (``probs[layer]``, ``[B, H, T, S]``),
+  computed in the same pass (used by the attention transition score);
+- ``key_valid``: per-layer boolean ``[S]`` of positions holding real K/V (the ``none`` bridge);
+- ``kernel``: a replacement attention kernel (block-sparse attention).
+
+Outside an engine step (the model called the ordinary transformers way) it delegates to transformers'
+SDPA implementation, so the loaded model still behaves as a normal transformers model.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "laserlm"
+
+_local = threading.local()
+
+
+@dataclass
+class AttentionContext:
+    """Per-forward attention state.
+
+    Attributes:
+        q_positions: absolute positions of the queries, ``[T]`` int64.
+        kv_offset: absolute position of key index 0 (0 with a cache; the first query position without).
+        want_probs: layer indices whose attention probabilities to keep.
+        probs: ``layer -> [B, H, T, S]`` float32 attention probabilities (filled for ``want_probs``).
+        key_valid: ``layer -> [S_max]`` bool, False where a position has no K/V at that layer.
+        kernel: optional ``fn(query, key, value, mask, scaling, layer_idx, ctx) -> [B, H, T, D]``.
+        layer_stats: free-form per-layer statistics written by kernels (e.g. density).
+    """
+
+    q_positions: torch.Tensor
+    kv_offset: int = 0
+    want_probs: frozenset = frozenset()
+    probs: dict = field(default_factory=dict)
+    key_valid: dict = field(default_factory=dict)
+    kernel: Callable | None = None
+    layer_stats: dict = field(default_factory=dict)
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, kv_len: int, sliding_window: int | None, layer_idx: int | None = None) -> torch.Tensor | None:
+        """Boolean mask ``[T, S]`` (True = attend) or ``None`` when every key is visible.
+
+        Key ``s`` is visible to query ``t`` iff ``s + kv_offset <= pos[t]``, ``pos[t] - (s + kv_offset) <
+        sliding_window`` (when set) and ``key_valid[layer][s]`` (when set).
+        """
+        valid = self.key_valid.get(layer_idx) if layer_idx is not None else None
+        key = (kv_len, sliding_window, id(valid) if valid is not None else None)
+        if key in self._masks:
+            return self._masks[key]
+        pos = self.q_positions
+        t = pos.shape[0]
+        last = int(pos[-1]) if t else 0
+        needs_causal = not (t == 1 and last == self.kv_offset + kv_len - 1)
+        needs_window = sliding_window is not None and (last - self.kv_offset) >= sliding_window
+        if not needs_causal and not needs_window and valid is None:
+            m = None
+        else:
+            kpos = torch.arange(kv_len) + self.kv_offset
+            m = kpos[None, :] <= pos[:, None]
+            if sliding_window is not None:
+                m = m & ((pos[:, None] - kpos[None, :]) < sliding_window)
+            if valid is not None:
+                m = m & valid[:kv_len][None, :]
+        self._masks[key] = m
+        return m
+
+
+def current_context() -> AttentionContext | None:
+    return getattr(_local, "ctx", None)
+
+
+class attention_context:  # noqa: N801  (used as a context manager)
+    """``with attention_context(ctx):`` makes ``ctx`` active for the current thread."""
+
+    def __init__(self, ctx: AttentionContext):
+        self.ctx = ctx
+
+    def __enter__(self):
+        self.prev = current_context()
+        _local.ctx = self.ctx
+        return self.ctx
+
+    def __exit__(self, *exc):
+        _local.ctx = self.prev
+        return False
+
+
+def dense_attention(query, key, value, mask, scaling, enable_gqa=True):
+    """Exact attention. ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]``, ``mask [T, S]`` bool or None.
+
+    Returns ``[B, H, T, D]``. Uses PyTorch SDPA (grouped-query attention without repeating K/V).
+    """
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
+
+
+def attention_with_probs(query, key, value, mask, scaling):
+    """Exact attention that also returns the probabilities ``[B, H, T, S]`` (float32). Math path."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    v = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    scores = torch.matmul(query, k.transpose(-1, -2)).float() * scaling
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs.to(v.dtype), v), probs
+
+
+def laser_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window=None, **kwargs):
+    """transformers ``AttentionInterface`` entry point.
+
+    ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]`` (after the cache update). Returns
+    ``(output [B, T, H, D], None)`` as transformers expects.
+    """
+    ctx = current_context()
+    if ctx is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: PLC0415
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, sliding_window=sliding_window, **kwargs)
+    layer_idx = module.layer_idx
+    mask = ctx.mask(key.shape[2], sliding_window, layer_idx)
+    if layer_idx in ctx.want_probs:
+        out, probs = attention_with_probs(query, key, value, mask, scaling)
+        ctx.probs[layer_idx] = probs
+    elif ctx.kernel is not None:
+        out = ctx.kernel(query, key, value, mask, scaling, layer_idx, ctx)
+    else:
+        out = dense_attention(query, key, value, mask, scaling)
+    return out.transpose(1, 2), None
+
+
+def register() -> str:
+    """Register :func:`laser_attention_forward` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, laser_attention_forward)
+    return ATTN_IMPLEMENTATION

@@ -1,0 +1,233 @@
+"""The engine: runs the decoder layers itself, one by one, over laserlm's static KV cache.
+
+Modelled on gpt-fast's decoder loop: embed -> layer 0 .. layer L-1 -> final norm -> LM head, with a
+preallocated :class:`~laserlm.runtime.kv_cache.KVCache`. The transformers decoder layers are called
+unchanged; their attention goes through :mod:`laserlm.runtime.attention`.
+
+Besides the full-depth :meth:`Engine.forward`, the engine exposes the primitives that adaptive-depth
+schedulers, bridges and speculative decoding compose: :meth:`Engine.begin` (embed + rotary + open the
+cache window), :meth:`Engine.run_layer`, :meth:`Engine.head` and :meth:`Engine.commit`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ContextLengthError, InvalidArgumentError
+from ..models.adapters import ModelAdapter, get_adapter
+from ..models.loader import LoadedModel, load_model
+from . import attention as attn
+from .kv_cache import KVCache
+
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+@dataclass
+class StepStats:
+    """Statistics of one engine forward.
+
+    Attributes:
+        num_tokens: tokens processed per sequence (T).
+        layers_run: decoder layers executed for each of those tokens (list of length T).
+        seconds: wall-clock seconds of the forward.
+    """
+
+    num_tokens: int
+    layers_run: list[int]
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class ForwardOutput:
+    """``logits [B, T_out, vocab]`` (float32) for the requested positions, plus stats."""
+
+    logits: torch.Tensor
+    stats: StepStats
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
+class StepState:
+    """State of one forward in progress (between :meth:`Engine.begin` and :meth:`Engine.commit`).
+
+    Attributes:
+        positions: ``[T]`` absolute positions of the new tokens.
+        position_ids: ``[1, T]`` the same, as transformers expects.
+        rope: rotary ``(cos, sin)`` per layer type, each ``[1, T, head_dim]``.
+        ctx: the attention context of this forward.
+        use_cache: whether layers read and write the KV cache.
+    """
+
+    positions: torch.Tensor
+    position_ids: torch.Tensor
+    rope: dict
+    ctx: attn.AttentionContext
+    use_cache: bool
+    t0: float
+
+
+class Engine:
+    """Full-depth inference engine over a loaded model.
+
+    Args:
+        model: a :class:`~laserlm.models.loader.LoadedModel` or a transformers causal LM.
+        max_seq_len: context size of the KV cache in tokens (default ``min(4096, max_position_embeddings)``).
+        batch_size: sequences decoded together (default 1).
+
+    Raises:
+        UnsupportedArchitectureError: the model has no adapter.
+        InvalidArgumentError: non-positive ``max_seq_len`` or one above the model's position limit.
+    """
+
+    def __init__(self, model, max_seq_len: int | None = None, batch_size: int = 1):
+        self.loaded = model if isinstance(model, LoadedModel) else None
+        hf_model = model.model if isinstance(model, LoadedModel) else model
+        self.tokenizer = model.tokenizer if isinstance(model, LoadedModel) else None
+        self.adapter: ModelAdapter = get_adapter(hf_model)
+        hf_model.config._attn_implementation = attn.register()
+        cfg = hf_model.config
+        limit = getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN
+        if max_seq_len is None:
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, limit)
+        if not isinstance(max_seq_len, int) or max_seq_len <= 0:
+            raise InvalidArgumentError(f"context size must be a positive integer, got {max_seq_len!r}")
+        if max_seq_len > limit:
+            raise InvalidArgumentError(f"context size {max_seq_len} exceeds the model's limit of {limit} positions")
+        self.max_seq_len = max_seq_len
+        self.dtype = next(hf_model.parameters()).dtype
+        a = self.adapter
+        self.cache = KVCache(a.num_layers, batch_size, a.num_kv_heads, a.head_dim, max_seq_len, self.dtype)
+        self._rope_tables = None
+        self.kernel = None  # optional attention kernel (block-sparse attention), see attention.py
+
+    @classmethod
+    def from_pretrained(cls, name: str, dtype: str = "float32", max_seq_len: int | None = None,
+                        batch_size: int = 1) -> Engine:
+        """Load ``name`` (see :func:`laserlm.models.loader.load_model`) and build an engine on it."""
+        return cls(load_model(name, dtype=dtype), max_seq_len=max_seq_len, batch_size=batch_size)
+
+    # -- properties ------------------------------------------------------------------------------
+    @property
+    def model(self):
+        return self.adapter.model
+
+    @property
+    def config(self):
+        return self.adapter.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.adapter.num_layers
+
+    @property
+    def position(self) -> int:
+        """Number of tokens in the KV cache."""
+        return self.cache.length
+
+    def reset(self) -> None:
+        """Empty the KV cache (start a new sequence)."""
+        self.cache.reset()
+
+    def truncate(self, length: int) -> None:
+        """Roll the KV cache back to its first ``length`` positions."""
+        self.cache.crop(length)
+
+    # -- primitives ------------------------------------------------------------------------------
+    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        if self._rope_tables is None:
+            all_pos = torch.arange(self.max_seq_len).unsqueeze(0)
+            probe = torch.zeros(1, 1, 1, dtype=self.dtype)
+            self._rope_tables = {t: (c[0], s[0]) for t, (c, s) in self.adapter.rope(probe, all_pos).items()}
+        start, end = int(positions[0]), int(positions[-1]) + 1
+        return {t: (c[start:end].unsqueeze(0), s[start:end].unsqueeze(0)) for t, (c, s) in self._rope_tables.items()}
+
+    def begin(self, input_ids: torch.Tensor, use_cache: bool = True) -> tuple[torch.Tensor, StepState]:
+        """Start a forward over ``input_ids [B, T]``: embed, rotary, open the cache window.
+
+        Returns ``(hidden [B, T, d], state)``.
+
+        Raises:
+            ContextLengthError: the tokens do not fit in the remaining context.
+            InvalidArgumentError: empty input or a batch size the cache was not built for.
+        """
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        b, t = input_ids.shape
+        if t == 0:
+            raise InvalidArgumentError("empty input: at least one token is required")
+        if use_cache:
+            if b != self.cache.batch_size:
+                raise InvalidArgumentError(f"batch of {b} sequences but the KV cache holds {self.cache.batch_size}")
+            start, end = self.cache.begin(t)
+        else:
+            start, end = 0, t
+            if t > self.max_seq_len:
+                raise ContextLengthError(f"{t} tokens exceed the context size {self.max_seq_len}")
+        positions = torch.arange(start, end)
+        hidden = self.adapter.embed(input_ids)
+        ctx = attn.AttentionContext(q_positions=positions, kv_offset=0, kernel=self.kernel)
+        state = StepState(positions=positions, position_ids=positions.unsqueeze(0),
+                          rope=self._rope(hidden, positions), ctx=ctx, use_cache=use_cache,
+                          t0=time.perf_counter())
+        return hidden, state
+
+    def run_layer(self, i: int, hidden: torch.Tensor, state: StepState) -> torch.Tensor:
+        """Run decoder layer ``i`` on ``hidden [B, T, d]`` (writes its K/V to the cache)."""
+        layer = self.adapter.layers[i]
+        with attn.attention_context(state.ctx):
+            return layer(hidden, attention_mask=None, position_ids=state.position_ids,
+                         cache=self.cache if state.use_cache else None,
+                         position_embeddings=state.rope[self.adapter.layer_types[i]])
+
+    def run_layers(self, start: int, stop: int, hidden: torch.Tensor, state: StepState) -> torch.Tensor:
+        """Run decoder layers ``start .. stop-1``; ``hidden [B, T, d]`` in and out."""
+        layers, types, cache = self.adapter.layers, self.adapter.layer_types, self.cache if state.use_cache else None
+        with attn.attention_context(state.ctx):
+            for i in range(start, stop):
+                hidden = layers[i](hidden, attention_mask=None, position_ids=state.position_ids, cache=cache,
+                                   position_embeddings=state.rope[types[i]])
+        return hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: ``[B, T, d] -> [B, T, vocab]`` float32 logits."""
+        return self.adapter.logits(hidden).float()
+
+    def commit(self, state: StepState) -> None:
+        """Make the positions of this forward part of the cache."""
+        if state.use_cache:
+            self.cache.commit()
+
+    # -- full depth ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, logits: str = "last", use_cache: bool = True) -> ForwardOutput:
+        """Full-depth forward of ``input_ids [B, T]`` (or ``[T]``) after the cached positions.
+
+        Args:
+            logits: ``"last"`` (logits of the last position only, ``[B, 1, V]``) or ``"all"`` (``[B, T, V]``).
+            use_cache: read and extend the KV cache (False: a stand-alone forward from position 0,
+                any batch size; used by evaluation).
+        """
+        hidden, state = self.begin(input_ids, use_cache=use_cache)
+        hidden = self.run_layers(0, self.num_layers, hidden, state)
+        self.commit(state)
+        if logits == "last":
+            hidden = hidden[:, -1:]
+        elif logits != "all":
+            raise InvalidArgumentError(f"logits must be 'last' or 'all', got {logits!r}")
+        out = self.head(hidden)
+        t = state.positions.shape[0]
+        return ForwardOutput(out, StepStats(t, [self.num_layers] * t, time.perf_counter() - state.t0))
+
+    def prefill(self, input_ids: torch.Tensor) -> ForwardOutput:
+        """Process a prompt ``[B, T]`` at full depth; returns the last position's logits ``[B, 1, V]``."""
+        return self.forward(input_ids, logits="last")
+
+    def decode_step(self, token_ids: torch.Tensor) -> ForwardOutput:
+        """One decode step: ``token_ids [B]`` or ``[B, 1]`` -> next-token logits ``[B, 1, V]``."""
+        if token_ids.dim() == 1:
+            token_ids = token_ids.unsqueeze(-1)
+        return self.forward(token_ids, logits="last")

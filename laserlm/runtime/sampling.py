@@ -1,0 +1,102 @@
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus), seeded.
+
+Conventions follow transformers/vLLM: ``temperature == 0`` means greedy; ``top_k == 0`` and
+``top_p == 1`` disable those filters; top-k is applied before top-p.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Attributes:
+        max_new_tokens: upper bound on generated tokens (>= 1).
+        temperature: 0 for greedy decoding, else > 0 (logits are divided by it).
+        top_k: keep the k most likely tokens (0 = off).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = off), in (0, 1].
+        seed: seed of the sampling generator (None = nondeterministic).
+        stop: strings that end generation; the stop string is not included in the output.
+        ignore_eos: keep generating after an end-of-sequence token.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> SamplingParams:
+        """Check every value; raises :class:`InvalidArgumentError` naming the bad one."""
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
+            raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
+            raise InvalidArgumentError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+            raise InvalidArgumentError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise InvalidArgumentError("stop strings must be non-empty strings")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    g = torch.Generator()
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Apply temperature, top-k and top-p to ``logits [..., V]``; removed tokens get ``-inf``."""
+    logits = logits.float() / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from, ``[..., V]`` float32 (one-hot for greedy)."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    return torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick next tokens from ``logits [B, V]`` -> ``[B]`` int64."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = probabilities(logits, params)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,29 @@
+"""Shared fixtures. The real bundled model is loaded once per session (a few seconds after the
+first conversion); tiny random configs are built per test where speed matters."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The bundled smollm2-135m as a :class:`laserlm.LaserLM` (float32)."""
+    import laserlm
+
+    return laserlm.load("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smol_ref(smol):
+    """An independent, unmodified transformers copy of smollm2-135m (float32, SDPA attention)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol.loaded.path, dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
