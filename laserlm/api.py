@@ -28,11 +28,26 @@ class LaserLM:
         engine: the :class:`~laserlm.runtime.engine.Engine` (layer loop + KV cache).
     """
 
-    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None):
+    def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, attention=None,
+                 **attention_options):
         self.loaded = loaded
         self.engine = Engine(loaded, max_seq_len=max_seq_len)
         self.tokenizer = loaded.tokenizer
         self.eos_ids = eos_token_ids(loaded.model, loaded.tokenizer)
+        if attention is not None or attention_options:
+            self.set_attention(attention or "sparse", **attention_options)
+
+    def set_attention(self, attention="dense", **options):
+        """Choose the attention kernel: ``"dense"`` (SDPA) or ``"sparse[:key=value,...]"`` (block-sparse,
+        see :func:`laserlm.attention.parse_attention`; ``options`` such as ``threshold``, ``block_size``,
+        ``dense_layers`` override the spec). Works with every decoding mode. Returns the kernel or ``None``.
+
+        Raises:
+            InvalidArgumentError: unknown attention or bad sparse settings.
+        """
+        from .attention import configure  # noqa: PLC0415
+
+        return configure(self.engine, attention, **options)
 
     @property
     def model(self):
@@ -72,10 +87,16 @@ class LaserLM:
         return self.stream(prompt, chat=chat, mode=mode, **sampling).run()
 
 
-def load(name: str = "smollm2-135m", dtype: str = "float32", max_seq_len: int | None = None) -> LaserLM:
+def load(name: str = "smollm2-135m", dtype: str = "float32", max_seq_len: int | None = None,
+         attention=None, **attention_options) -> LaserLM:
     """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id.
+
+    ``attention``: ``None``/``"dense"`` or ``"sparse[:key=value,...]"``; ``attention_options`` (e.g.
+    ``threshold=0.5, block_size=64, dense_layers=2``) configure block-sparse attention
+    (:func:`laserlm.attention.parse_attention`).
 
     Raises:
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError, InvalidArgumentError.
     """
-    return LaserLM(load_model(name, dtype=dtype), max_seq_len=max_seq_len)
+    return LaserLM(load_model(name, dtype=dtype), max_seq_len=max_seq_len, attention=attention,
+                   **attention_options)

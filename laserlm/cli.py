@@ -31,6 +31,23 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx-size", "-c", type=int, default=None,
                    help="context size of the KV cache in tokens (default: min(4096, model limit))")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
+    add_attention_args(p)
+
+
+def add_attention_args(p: argparse.ArgumentParser) -> None:
+    """Block-sparse attention options (laserlm.attention); orthogonal to --mode."""
+    g = p.add_argument_group("attention")
+    g.add_argument("--attention", choices=["dense", "sparse"], default="dense",
+                   help="attention kernel: dense SDPA or block-sparse (default: %(default)s)")
+    g.add_argument("--sparse-threshold", type=float, default=None, metavar="C",
+                   help="sparse: keep key blocks whose coarse logit is within C*log(n) of the best block "
+                        "(the seed's C/sqrt(d_k)*log(n) on q.k/d_k); C >= 0, inf = dense (default: 0.5)")
+    g.add_argument("--sparse-mass", type=float, default=None, metavar="TAU",
+                   help="sparse: use the mass rule instead: fewest blocks reaching coarse softmax mass TAU in (0, 1]")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="sparse: positions per block (default: 64)")
+    g.add_argument("--dense-layers", type=int, default=None,
+                   help="sparse: the first N decoder layers stay dense (default: 2)")
 
 
 def add_mode_args(p: argparse.ArgumentParser) -> None:
@@ -39,8 +56,35 @@ def add_mode_args(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
 
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """Several decoding-mode specs for ``eval`` / ``bench``. Mode specs contain commas, so specs are
+    given one per ``--config`` flag or ``;``-separated in ``--configs``."""
+    p.add_argument("--config", action="append", default=[], metavar="SPEC",
+                   help="decoding mode spec to evaluate, repeatable, e.g. --config adaptive:policy=confidence,"
+                        "threshold=0.9 (the full-depth reference 'full' is always included)")
+    p.add_argument("--configs", default="", metavar="SPEC;SPEC",
+                   help="several mode specs separated by ';' (quote it in the shell)")
+
+
+def config_specs(args) -> list[str]:
+    """The mode specs from ``--config`` / ``--configs``, ``full`` first, duplicates removed."""
+    specs = ["full"] + [s.strip() for s in args.config] + [s.strip() for s in args.configs.split(";")]
+    for s in specs:
+        if s.startswith(("-", ":")):
+            raise LaserLMError(f"bad configuration spec {s!r} (expected NAME[:key=value,...])")
+    specs = list(dict.fromkeys(s for s in specs if s))
+    from .runtime.modes import MODES, _load_plugins, parse_spec  # noqa: PLC0415
+
+    _load_plugins()
+    for s in specs:  # unknown names fail here, before the model loads
+        name = parse_spec(s)[0]
+        if name not in MODES:
+            raise LaserLMError(f"unknown mode '{name}' in configuration '{s}'; available modes: {', '.join(sorted(MODES))}")
+    return specs
+
+
 def apply_threads(args) -> None:
-    if getattr(args, "threads", None):
+    if getattr(args, "threads", None) is not None:  # 0 is an error, not "unset"
         import torch  # noqa: PLC0415
 
         if args.threads < 1:
@@ -53,7 +97,31 @@ def load_from_args(args):
     from .api import load  # noqa: PLC0415
 
     apply_threads(args)
-    return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size)
+    return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, **attention_kwargs(args))
+
+
+def attention_kwargs(args) -> dict:
+    """``load()`` keyword arguments from the --attention options (empty for dense without options)."""
+    attention = getattr(args, "attention", "dense") or "dense"
+    opts = {"threshold": getattr(args, "sparse_threshold", None), "block_size": getattr(args, "block_size", None),
+            "dense_layers": getattr(args, "dense_layers", None)}
+    if getattr(args, "sparse_mass", None) is not None:
+        opts.update(rule="mass", tau=args.sparse_mass)
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if attention == "dense" and not opts:
+        return {}
+    return {"attention": attention, **opts}
+
+
+def laser_mode_spec(mode: str, laser: str) -> str:
+    """``--laser PATH``: ``full`` becomes ``adaptive:laser=PATH,patience=0`` (the setting the calibration's
+    guarantee is about); an ``adaptive`` spec gets ``laser=PATH`` added; other modes are an error."""
+    name, _, rest = mode.partition(":")
+    if name == "full" and not rest:
+        return f"adaptive:laser={laser},patience=0"
+    if name != "adaptive":
+        raise LaserLMError(f"--laser works with the adaptive mode, not '{name}'")
+    return f"adaptive:{rest},laser={laser}" if rest else f"adaptive:laser={laser}"
 
 
 # -- generate -----------------------------------------------------------------------------------
@@ -63,6 +131,9 @@ def _add_generate(sub) -> None:
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")
     add_model_args(p)
     add_mode_args(p)
+    p.add_argument("--laser", default=None, metavar="PATH",
+                   help="calibration artifact from `laserlm calibrate`: runs the adaptive mode with its trained exit "
+                        "heads, gates and calibrated threshold (adds laser=PATH to an adaptive --mode)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--max-tokens", "-n", type=int, default=128, dest="max_new_tokens",
                    help="maximum new tokens (default: %(default)s)")
@@ -89,6 +160,12 @@ def cmd_generate(args) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     SamplingParams(**sampling).validate()  # fail before the model loads
+    if getattr(args, "laser", None):
+        args.mode = laser_mode_spec(args.mode, args.laser)
+    if not prompt.strip():
+        raise LaserLMError("empty prompt: give some text to continue")
+    if args.ctx_size is not None and args.ctx_size <= 0:
+        raise LaserLMError(f"--ctx-size must be a positive integer, got {args.ctx_size}")
     lm = load_from_args(args)
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:

@@ -79,6 +79,20 @@ class AttentionContext:
         self._masks[key] = m
         return m
 
+    def plain_causal(self, kv_len: int, sliding_window: int | None, layer_idx: int | None = None) -> bool:
+        """True when :meth:`mask` would be exactly the square causal mask: ``T = kv_len > 1`` queries at
+        positions ``kv_offset .. kv_offset + T - 1`` (a prefill from the first key), no sliding-window cut
+        and no holes. SDPA's ``is_causal=True`` then gives the same attention without building the mask."""
+        t = self.q_positions.shape[0]
+        if t != kv_len or t == 1 or (sliding_window is not None and t > sliding_window):
+            return False
+        if layer_idx is not None and self.key_valid.get(layer_idx) is not None:
+            return False
+        first = self._masks.get("first")
+        if first is None:
+            first = self._masks["first"] = int(self.q_positions[0])
+        return first == self.kv_offset
+
 
 def current_context() -> AttentionContext | None:
     return getattr(_local, "ctx", None)
@@ -100,12 +114,14 @@ class attention_context:  # noqa: N801  (used as a context manager)
         return False
 
 
-def dense_attention(query, key, value, mask, scaling, enable_gqa=True):
+def dense_attention(query, key, value, mask, scaling, enable_gqa=True, is_causal=False):
     """Exact attention. ``query [B, H, T, D]``, ``key/value [B, Hkv, S, D]``, ``mask [T, S]`` bool or None.
 
+    ``is_causal=True`` (with ``mask=None``) applies SDPA's own square causal mask instead of a boolean one.
     Returns ``[B, H, T, D]``. Uses PyTorch SDPA (grouped-query attention without repeating K/V).
     """
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=enable_gqa,
+                                          is_causal=is_causal)
 
 
 def attention_with_probs(query, key, value, mask, scaling):
@@ -134,6 +150,10 @@ def laser_attention_forward(module, query, key, value, attention_mask, scaling=N
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, sliding_window=sliding_window, **kwargs)
     layer_idx = module.layer_idx
+    if ctx.kernel is None and layer_idx not in ctx.want_probs and ctx.plain_causal(key.shape[2], sliding_window,
+                                                                                   layer_idx):
+        # prefill from the first cached position: SDPA's is_causal, no [T, S] boolean mask
+        return dense_attention(query, key, value, None, scaling, is_causal=True).transpose(1, 2), None
     mask = ctx.mask(key.shape[2], sliding_window, layer_idx)
     if layer_idx in ctx.want_probs:
         out, probs = attention_with_probs(query, key, value, mask, scaling)

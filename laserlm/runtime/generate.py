@@ -177,7 +177,8 @@ class Generation:
         finish = "length"
         ttft = float("nan")
         start = time.perf_counter()
-        for ev in self.token_source(self.prompt_ids, params, self.max_tokens):
+        source = self.token_source(self.prompt_ids, params, self.max_tokens)
+        for ev in source:
             if not ids:
                 ttft = ev.seconds
             else:
@@ -222,9 +223,14 @@ class Generation:
         if finish in ("length", "context", "eos") and len(text) > emitted:
             piece = text[emitted:]
             emitted = len(text)
+            if self.on_token:  # the held-back tail goes to the callback too (text is non-empty: ev is set)
+                self.on_token(piece, ev)
             yield piece
         total = time.perf_counter() - start
         extra = {"events": extra_events} if extra_events else {}
+        summary = getattr(source, "summary", None)  # token sources may report aggregate stats
+        if callable(summary):
+            extra.update(summary())
         self.result = GenerationResult(text=text, token_ids=ids, prompt_tokens=int(self.prompt_ids.shape[0]),
                                        finish_reason=finish, ttft_s=ttft, total_s=total,
                                        layers_per_token=layers, itl_s=itl, extra=extra)

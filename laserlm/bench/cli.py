@@ -1,0 +1,152 @@
+"""``laserlm bench``: throughput, latency and memory of decoding modes beside transformers ``generate``
+(and llama.cpp when ``llama_cpp`` is importable)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+from ..cli import add_config_args, add_model_args, config_specs, load_from_args
+from ..errors import InvalidArgumentError, LaserLMError
+
+TESTS = ("pp", "tg", "gen")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="measure speed: pp/tg tokens/s, TTFT, TPOT, ITL, memory, layers per token",
+        description="Benchmark decoding-mode configurations side by side (interleaved repetitions) with the "
+                    "transformers `generate` baseline on the same model and dtype, llama-bench style: pp512 "
+                    "and tg128 tokens/s as mean ± std over --reps repetitions after --warmup rounds.")
+    add_model_args(p)
+    add_config_args(p)
+    p.add_argument("--n-prompt", "-p", type=int, default=512, help="pp test prompt tokens (default: %(default)s)")
+    p.add_argument("--n-gen", "-n", type=int, default=128, help="tg / generation-run tokens (default: %(default)s)")
+    p.add_argument("--reps", "-r", type=int, default=5, help="measured repetitions (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up rounds (default: %(default)s)")
+    p.add_argument("--tests", default="pp,tg,gen", help="subset of pp,tg,gen (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random pp prompt (default: %(default)s)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
+    p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
+                   help="attention implementation of the transformers baseline (default: %(default)s)")
+    p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even when llama_cpp is importable")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write results as JSON to PATH ('-' or no value: stdout, table goes to stderr)")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG plot")
+    p.add_argument("--quality", default=None, metavar="EVAL.json",
+                   help="a `laserlm eval --json` file: the plot becomes quality vs speed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+
+
+def _gguf_path(model: str):
+    from pathlib import Path  # noqa: PLC0415
+
+    from ..models.registry import BUNDLED  # noqa: PLC0415
+
+    if model in BUNDLED:
+        try:
+            return BUNDLED[model].locate()
+        except LaserLMError:
+            return None
+    return Path(model) if model.endswith(".gguf") and Path(model).is_file() else None
+
+
+def _validate(args) -> list[str]:
+    tests = [t.strip() for t in args.tests.split(",") if t.strip()]
+    bad = [t for t in tests if t not in TESTS]
+    if bad or not tests:
+        raise InvalidArgumentError(f"unknown test(s) {', '.join(bad) or '(none)'}; choose from {', '.join(TESTS)}")
+    for name, v, lo in (("--n-prompt", args.n_prompt, 1), ("--n-gen", args.n_gen, 2), ("--reps", args.reps, 1),
+                        ("--warmup", args.warmup, 0)):
+        if v < lo:
+            raise InvalidArgumentError(f"{name} must be >= {lo}, got {v}")
+    if args.quality:
+        try:
+            with open(args.quality) as f:
+                args.quality_doc = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InvalidArgumentError(f"cannot read --quality file {args.quality}: {exc}") from exc
+        from .report import quality_metric  # noqa: PLC0415
+
+        quality_metric(args.quality_doc)
+    else:
+        args.quality_doc = None
+    return tests
+
+
+def cmd_bench(args) -> int:
+    tests = _validate(args)
+    specs = config_specs(args)
+    lm = load_from_args(args)
+    import torch  # noqa: PLC0415
+
+    from ..runtime.generate import encode_prompt  # noqa: PLC0415
+    from .measure import GEN_PROMPT, EngineTarget, HFTarget, LlamaCppTarget, random_prompt, run_bench, summarize  # noqa: PLC0415
+    from .report import markdown, plot  # noqa: PLC0415
+
+    eng = lm.engine
+    chat = bool(getattr(lm.tokenizer, "chat_template", None))
+    gen_ids = encode_prompt(lm.tokenizer, GEN_PROMPT, chat, eng.max_seq_len)
+    need = max(args.n_prompt + 1, gen_ids.shape[0] + args.n_gen, args.n_gen + 1)
+    if need > eng.max_seq_len:
+        raise InvalidArgumentError(f"the tests need {need} positions but the context size is {eng.max_seq_len}; "
+                                   "lower --n-prompt/--n-gen or raise --ctx-size")
+    prompt_ids = random_prompt(eng.config.vocab_size, args.n_prompt, args.seed)
+    targets = []
+    for spec in specs:
+        t = EngineTarget(lm, spec)
+        try:  # an unrunnable configuration fails here with one line, before any measurement
+            t.tg(prompt_ids[:1], 2)
+        except LaserLMError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise LaserLMError(f"configuration '{spec}' cannot run on this model: {type(exc).__name__}: {exc}") from exc
+        targets.append(t)
+    notes = []
+    if not args.no_hf:
+        targets.append(HFTarget(lm, args.hf_attn))
+    if not args.no_llamacpp:
+        gguf = _gguf_path(args.model)
+        if importlib.util.find_spec("llama_cpp") is None:
+            notes.append("llama.cpp: llama_cpp (llama-cpp-python) not installed, skipped")
+        elif gguf is None:
+            notes.append("llama.cpp: no GGUF file for this model, skipped")
+        else:
+            try:
+                lc = LlamaCppTarget(gguf, torch.get_num_threads(), max(need + 8, 1024))
+                lc.optional = True
+                targets.append(lc)
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"llama.cpp: could not load {gguf}: {type(exc).__name__}: {exc}")
+    samples = run_bench(targets, prompt_ids, gen_ids, args.n_gen, args.reps, args.warmup, tests,
+                        progress=not args.no_progress)
+    rows = [summarize(name, s, args.n_prompt, args.n_gen) for name, s in samples.items()]
+    from ..evaluation.report import machine, now  # noqa: PLC0415  (formatting helpers only)
+
+    header = (f"model {args.model}, dtype {args.dtype}, {torch.get_num_threads()} threads, reps {args.reps} after "
+              f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "
+              f"generation run: {gen_ids.shape[0]}-token {'chat ' if chat else ''}prompt + {args.n_gen} greedy tokens; "
+              f"{machine()}; {now()}")
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(markdown(rows, args.n_prompt, args.n_gen), file=out)
+    print("\n" + header, file=out)
+    for n in notes:
+        print(n, file=out)
+    if args.plot:
+        plot(rows, args.plot, f"{args.model} {args.dtype}, {torch.get_num_threads()} threads", args.n_prompt,
+             args.n_gen, args.quality_doc)
+        print(f"plot written to {args.plot}", file=out)
+    if args.json:
+        doc = {"command": "bench", "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+               "n_prompt": args.n_prompt, "n_gen": args.n_gen, "reps": args.reps, "warmup": args.warmup,
+               "tests": tests, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,
+               "rows": rows, "raw": {n: vars(s) for n, s in samples.items()}}
+        text = json.dumps(doc, indent=1, default=float)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0

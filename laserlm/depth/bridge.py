@@ -1,0 +1,149 @@
+"""Bridges: how a decoder layer that a token skipped still gets that token's K/V for later tokens.
+
+- :class:`PropagateBridge` (CALM's state propagation; the seed's "residual bridge"): for every skipped layer
+  ``j``, K/V are computed from the exit hidden state with layer ``j``'s own input norm, K/V projections,
+  K norm (Gemma3 / Qwen3) and rotary embedding, and written into the cache. Costs two small projections
+  per skipped layer instead of a whole layer.
+- :class:`DeferredBridge` (FREE, Bae et al. 2023; EE-LLM, Chen et al. 2024): the skipped layers of a token are
+  run later, batched with the next token's forward from the exit layer on, so the cache becomes exact.
+  The scheduler (:mod:`laserlm.depth.scheduler`) does the batching; this object holds the pending token.
+- :class:`NoneBridge` (D-LLM, Jiang et al. 2024): the slot stays empty and is masked at the skipped layers
+  through ``AttentionContext.key_valid``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+BRIDGES = ("propagate", "deferred", "none")
+
+
+def _rotary_fn(attn_module):
+    """The ``apply_rotary_pos_emb`` of the transformers module that defines ``attn_module``."""
+    fn = getattr(sys.modules[type(attn_module).__module__], "apply_rotary_pos_emb", None)
+    if fn is None:  # pragma: no cover - every supported family defines it
+        raise InvalidArgumentError(f"cannot find the rotary function of {type(attn_module).__name__}")
+    return fn
+
+
+def project_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """K/V that decoder ``layer`` would compute from ``hidden [B, T, d]`` entering it.
+
+    Input norm -> k/v projections -> K norm (and V norm) when the layer has them -> rotary on K.
+    ``cos/sin [1, T, head_dim]`` are the layer type's rotary tables at the tokens' positions.
+    Returns ``(k, v)`` each ``[B, n_kv, T, head_dim]`` (what the attention module writes to the cache).
+    """
+    attn = layer.self_attn
+    x = layer.input_layernorm(hidden)
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    k = attn.k_proj(x).view(shape).transpose(1, 2)
+    v = attn.v_proj(x).view(shape).transpose(1, 2)
+    if getattr(attn, "k_norm", None) is not None:
+        k = attn.k_norm(k)
+    if getattr(attn, "v_norm", None) is not None:
+        v = attn.v_norm(v)
+    _, k = _rotary_fn(attn)(k, k, cos, sin)
+    return k, v
+
+
+class Bridge:
+    """Base class. The scheduler calls :meth:`reset` per sequence, :meth:`configure` after each
+    ``Engine.begin`` and :meth:`on_exit` when a token stops after ``layer`` layers."""
+
+    name = "?"
+
+    def reset(self, engine) -> None:
+        pass
+
+    def configure(self, engine, state) -> None:
+        pass
+
+    def on_exit(self, engine, state, layer: int, hidden: torch.Tensor, token_id: int) -> int:
+        """Handle the skipped layers ``layer .. L-1``; returns how many layers were bridged."""
+        raise NotImplementedError
+
+
+class PropagateBridge(Bridge):
+    """Write K/V of the skipped layers projected from the exit hidden state (see module docstring)."""
+
+    name = "propagate"
+
+    def on_exit(self, engine, state, layer, hidden, token_id):
+        a = engine.adapter
+        pos = int(state.positions[0])
+        for j in range(layer, a.num_layers):
+            cos, sin = state.rope[a.layer_types[j]]
+            k, v = project_kv(a.layers[j], hidden, cos, sin)
+            engine.cache.write(j, pos, k, v)
+        return a.num_layers - layer
+
+
+class NoneBridge(Bridge):
+    """Leave skipped slots empty and mask them (``AttentionContext.key_valid``)."""
+
+    name = "none"
+
+    def reset(self, engine):
+        self.valid: dict[int, torch.Tensor] = {}
+
+    def configure(self, engine, state):
+        for v in self.valid.values():
+            v[state.positions] = True  # fresh positions hold real K/V until a token skips
+        state.ctx.key_valid = self.valid
+
+    def on_exit(self, engine, state, layer, hidden, token_id):
+        pos = int(state.positions[0])
+        for j in range(layer, engine.num_layers):
+            if j not in self.valid:
+                self.valid[j] = torch.ones(engine.max_seq_len, dtype=torch.bool)
+            self.valid[j][pos] = False
+        return engine.num_layers - layer
+
+
+@dataclass
+class PendingToken:
+    """A token whose layers ``layer .. L-1`` have not run yet (deferred bridge).
+
+    Attributes: ``token_id``; ``position`` in the cache; ``layer`` = its exit layer; ``hidden [1, 1, d]`` = its
+    hidden state after ``layer`` layers (the input of layer ``layer``)."""
+
+    token_id: int
+    position: int
+    layer: int
+    hidden: torch.Tensor
+
+
+class DeferredBridge(Bridge):
+    """Hold the exited token; the scheduler runs its remaining layers with the next token's forward."""
+
+    name = "deferred"
+
+    def reset(self, engine):
+        self.pending: PendingToken | None = None
+
+    def on_exit(self, engine, state, layer, hidden, token_id):
+        self.pending = PendingToken(int(token_id), int(state.positions[0]), layer, hidden.detach().clone())
+        return engine.num_layers - layer
+
+
+def begin_at(engine, start: int, token_ids: list[int]):
+    """Open an engine forward for ``token_ids`` at cache positions ``start ..`` (rewriting those slots).
+
+    Moves the committed length back to ``start`` first; the caller restores ``engine.cache.length``
+    after the step. Returns ``(hidden [1, T, d], state)`` as :meth:`Engine.begin`.
+    """
+    engine.cache.length = start
+    return engine.begin(torch.tensor([token_ids], dtype=torch.long))
+
+
+def make_bridge(name: str) -> Bridge:
+    """``propagate`` | ``deferred`` | ``none`` -> a bridge object (InvalidArgumentError otherwise)."""
+    table = {"propagate": PropagateBridge, "deferred": DeferredBridge, "none": NoneBridge}
+    if name not in table:
+        raise InvalidArgumentError(f"unknown bridge '{name}'; use one of {', '.join(BRIDGES)}")
+    return table[name]()

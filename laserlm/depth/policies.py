@@ -1,0 +1,301 @@
+"""Exit policies: small objects asked at an exit point whether the current token may stop there.
+
+A policy is called with an :class:`ExitPoint` (what is known about the token after a layer group) and
+returns ``True`` to exit. Policies compose with :class:`AllOf` / :class:`AnyOf`. Sources:
+
+- :class:`Confidence`: softmax max probability, top-2 margin or entropy of the exit head's distribution
+  (CALM, Schuster et al. 2022, "softmax response").
+- :class:`Saturation`: cosine similarity of the hidden state across the group (CALM's "hidden-state
+  saturation").
+- :class:`AttentionTransition`: the attention transition score (ATS) of the seed, the cosine similarity of
+  the token's attention distribution with the previous token's at one layer; below 0.7 means "go deeper".
+- :class:`GatePolicy`: a trained exit gate (:class:`laserlm.depth.heads.ExitGate`, trained by calibration).
+- :class:`Compensation`: the seed's compensation rule, a veto: when the hidden state changes by more than a
+  threshold across the exit group (relative L2 change), run the next group instead of exiting.
+
+The *patience rule* and *min depth* are properties of the schedule across tokens, not of one exit point:
+see :mod:`laserlm.depth.scheduler` and :mod:`laserlm.depth.groups`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+CONFIDENCE_MEASURES = ("max", "margin", "entropy")
+DEFAULT_ATS_THRESHOLD = 0.7  # the seed's value
+
+
+@dataclass
+class ExitPoint:
+    """One token at one exit point.
+
+    Attributes:
+        group: index of the layer group just finished.
+        layer: decoder layers run so far (the exit layer if the token stops here).
+        num_layers: L.
+        hidden: ``[d]`` hidden state after the group.
+        hidden_in: ``[d]`` hidden state entering the group.
+        ats: the token's attention transition score (``None`` when not measured).
+        head: ``fn(hidden [.., d]) -> logits [.., V]`` float32, the exit head at this point.
+    """
+
+    group: int
+    layer: int
+    num_layers: int
+    hidden: torch.Tensor
+    hidden_in: torch.Tensor
+    head: Callable
+    ats: float | None = None
+    _logits: torch.Tensor | None = field(default=None, repr=False)
+    head_evals: int = 0
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``[V]`` float32 logits of the exit head (computed once, on first use)."""
+        if self._logits is None:
+            self._logits = self.head(self.hidden.unsqueeze(0)).reshape(-1).float()
+            self.head_evals += 1
+        return self._logits
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return torch.softmax(self.logits, dim=-1)
+
+    def confidence(self, measure: str = "max") -> float:
+        """``max``: top-1 probability; ``margin``: top-1 minus top-2 probability; ``entropy``: nats."""
+        p = self.probs
+        if measure == "max":
+            return float(p.max())
+        if measure == "margin":
+            top = torch.topk(p, 2).values
+            return float(top[0] - top[1])
+        if measure == "entropy":
+            return float(-(p * torch.log(p.clamp_min(1e-30))).sum())
+        raise InvalidArgumentError(f"unknown confidence measure '{measure}'; use one of {', '.join(CONFIDENCE_MEASURES)}")
+
+    @property
+    def saturation(self) -> float:
+        """Cosine similarity of the hidden state entering and leaving the group."""
+        return float(torch.nn.functional.cosine_similarity(self.hidden_in.float(), self.hidden.float(), dim=-1))
+
+    @property
+    def relative_change(self) -> float:
+        """``||h_out - h_in|| / ||h_in||`` across the group."""
+        a, b = self.hidden_in.float(), self.hidden.float()
+        return float((b - a).norm() / a.norm().clamp_min(1e-12))
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> float:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
+    if not (lo <= value <= hi) or math.isnan(value):
+        raise InvalidArgumentError(f"{name} {value} is out of range [{lo}, {hi}]")
+    return value
+
+
+class ExitPolicy:
+    """Base class. ``__call__(point) -> bool`` (True: exit here).
+
+    Attributes:
+        needs_ats: the policy reads :attr:`ExitPoint.ats` (the scheduler then records attention probs).
+    """
+
+    needs_ats = False
+
+    def __call__(self, point: ExitPoint) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class Confidence(ExitPolicy):
+    """Exit when the exit head is confident (CALM softmax response).
+
+    ``max`` / ``margin``: exit iff the value ``> threshold``, threshold in [0, 1] (1 never exits);
+    ``entropy``: exit iff entropy (nats) ``< threshold``, threshold in [0, ln V] (0 never exits).
+
+    Raises:
+        InvalidArgumentError: unknown measure or threshold out of range.
+    """
+
+    def __init__(self, threshold: float = 0.9, measure: str = "max", vocab_size: int | None = None):
+        if measure not in CONFIDENCE_MEASURES:
+            raise InvalidArgumentError(f"unknown confidence measure '{measure}'; use one of {', '.join(CONFIDENCE_MEASURES)}")
+        hi = math.log(vocab_size) if (measure == "entropy" and vocab_size) else (float("inf") if measure == "entropy" else 1.0)
+        self.threshold = _check_range(f"confidence threshold ({measure})", threshold, 0.0, hi)
+        self.measure = measure
+
+    def __call__(self, point):
+        c = point.confidence(self.measure)
+        return c < self.threshold if self.measure == "entropy" else c > self.threshold
+
+    def describe(self):
+        return f"confidence({self.measure}{'<' if self.measure == 'entropy' else '>'}{self.threshold:g})"
+
+
+class Saturation(ExitPolicy):
+    """Exit when cos(h_in, h_out) across the group ``> threshold`` (CALM hidden-state saturation); threshold in [-1, 1]."""
+
+    def __init__(self, threshold: float = 0.95):
+        self.threshold = _check_range("saturation threshold", threshold, -1.0, 1.0)
+
+    def __call__(self, point):
+        return point.saturation > self.threshold
+
+    def describe(self):
+        return f"saturation>{self.threshold:g}"
+
+
+class AttentionTransition(ExitPolicy):
+    """Allow exit when the attention transition score ``>= threshold`` (seed: ATS < 0.7 -> go deeper).
+
+    The ATS is measured by the scheduler at one layer below the first exit point, in the same attention
+    pass (``AttentionContext.want_probs``). Threshold in [0, 1].
+    """
+
+    needs_ats = True
+
+    def __init__(self, threshold: float = DEFAULT_ATS_THRESHOLD):
+        self.threshold = _check_range("attention transition threshold", threshold, 0.0, 1.0)
+
+    def __call__(self, point):
+        if point.ats is None:
+            return False  # no previous token to compare with: be safe and go deeper
+        return point.ats >= self.threshold
+
+    def describe(self):
+        return f"ats>={self.threshold:g}"
+
+
+class Compensation(ExitPolicy):
+    """The seed's compensation rule as a veto: exit only if the relative change ``||h_out - h_in|| / ||h_in||``
+    across the exit group is ``<= max_change`` (> 0); otherwise the next group runs."""
+
+    def __init__(self, max_change: float = 0.5):
+        self.max_change = _check_range("compensation threshold", max_change, 1e-9, float("inf"))
+
+    def __call__(self, point):
+        return point.relative_change <= self.max_change
+
+    def describe(self):
+        return f"change<={self.max_change:g}"
+
+
+class GatePolicy(ExitPolicy):
+    """Exit when a trained exit gate's probability ``> threshold`` (threshold in [0, 1]).
+
+    Args:
+        gates: ``exit layer -> ExitGate`` (see :mod:`laserlm.depth.heads`); exit points without a gate never exit.
+    """
+
+    def __init__(self, gates: dict, threshold: float = 0.5):
+        self.gates = dict(gates)
+        self.threshold = _check_range("gate threshold", threshold, 0.0, 1.0)
+        self.needs_ats = any(getattr(g, "uses_ats", False) for g in self.gates.values())
+
+    def __call__(self, point):
+        gate = self.gates.get(point.layer)
+        if gate is None:
+            return False
+        return gate.exit_probability(point) > self.threshold
+
+    def describe(self):
+        return f"gate>{self.threshold:g}"
+
+
+class AllOf(ExitPolicy):
+    """Exit iff every policy says exit (short-circuits in order)."""
+
+    def __init__(self, policies):
+        self.policies = list(policies)
+        self.needs_ats = any(p.needs_ats for p in self.policies)
+
+    def __call__(self, point):
+        return all(p(point) for p in self.policies)
+
+    def describe(self):
+        return " & ".join(p.describe() for p in self.policies)
+
+
+class AnyOf(ExitPolicy):
+    """Exit iff some policy says exit (short-circuits in order)."""
+
+    def __init__(self, policies):
+        self.policies = list(policies)
+        self.needs_ats = any(p.needs_ats for p in self.policies)
+
+    def __call__(self, point):
+        return any(p(point) for p in self.policies)
+
+    def describe(self):
+        return " | ".join(p.describe() for p in self.policies)
+
+
+class Never(ExitPolicy):
+    """Never exit (full depth through the adaptive machinery)."""
+
+    def __call__(self, point):
+        return False
+
+    def describe(self):
+        return "never"
+
+
+POLICY_NAMES = ("confidence", "saturation", "ats", "gate", "never")
+
+
+def make_policy(names: str = "confidence", *, threshold=None, measure: str = "max", saturation_threshold=None,
+                ats_threshold=None, gate_threshold=None, combine: str = "all", compensation=None,
+                gates: dict | None = None, vocab_size: int | None = None) -> ExitPolicy:
+    """Build a policy from mode options.
+
+    Args:
+        names: policy names joined by ``+`` (``confidence``, ``saturation``, ``ats``, ``gate``, ``never``).
+        threshold: threshold of the first listed policy (unless its own option is given).
+        combine: ``all`` (exit when every policy agrees) or ``any``.
+        compensation: optional max relative hidden change; always combined as a veto (AND).
+        gates: ``exit layer -> ExitGate`` for ``gate`` (from a laser file).
+
+    Raises:
+        InvalidArgumentError: unknown names, thresholds out of range, ``gate`` without gates.
+    """
+    parts = [p.strip() for p in str(names).split("+") if p.strip()]
+    if not parts:
+        raise InvalidArgumentError("no exit policy given; use one of " + ", ".join(POLICY_NAMES))
+    first = parts[0]
+    built = []
+    for name in parts:
+        t = threshold if name == first else None
+        if name == "confidence":
+            built.append(Confidence(0.9 if t is None else t, measure, vocab_size))
+        elif name == "saturation":
+            v = saturation_threshold if saturation_threshold is not None else t
+            built.append(Saturation(0.95 if v is None else v))
+        elif name == "ats":
+            v = ats_threshold if ats_threshold is not None else t
+            built.append(AttentionTransition(DEFAULT_ATS_THRESHOLD if v is None else v))
+        elif name == "gate":
+            if not gates:
+                raise InvalidArgumentError("policy 'gate' needs trained exit gates: pass laser=PATH (from `laserlm calibrate`)")
+            v = gate_threshold if gate_threshold is not None else t
+            built.append(GatePolicy(gates, 0.5 if v is None else v))
+        elif name == "never":
+            built.append(Never())
+        else:
+            raise InvalidArgumentError(f"unknown exit policy '{name}'; use one of {', '.join(POLICY_NAMES)} "
+                                       "(join several with '+')")
+    if combine not in ("all", "any"):
+        raise InvalidArgumentError(f"combine must be 'all' or 'any', got '{combine}'")
+    policy = built[0] if len(built) == 1 else (AllOf(built) if combine == "all" else AnyOf(built))
+    if compensation is not None:
+        policy = AllOf([Compensation(compensation), policy])
+    return policy

@@ -1,0 +1,165 @@
+"""Static baselines: static layer pruning (ShortGPT) and naive early exit.
+
+- Static pruning drops the same decoder layers for every token. Which layers: the lowest *Block Influence*
+  ``BI_i = 1 - E_t[cos(h_i,t, h_i+1,t)]`` (cosine of the hidden state entering and leaving layer i, averaged
+  over calibration tokens; Men et al. 2024, "ShortGPT").
+- Naive early exit stops every token after a fixed number of layers and applies the exit head there
+  (the model's final norm + LM head unless a trained head is given).
+
+Both are a :class:`LayerSubset`: the model restricted to a set of kept layers, used for the prompt and for
+every generated token alike (the dropped layers never run, so their K/V are never needed).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidArgumentError, ModelNotFoundError
+from ..runtime.generate import TokenEvent
+from ..runtime.modes import ScoreOutput
+from ..runtime.sampling import make_generator, sample
+from .stats import EventStream
+
+DEFAULT_CALIB_TOKENS = 2048
+
+
+def default_calibration_text() -> Path:
+    """``$LASERLM_DATA/wikitext-2/valid.txt`` (LASERLM_DATA defaults to ``../shared/data`` next to the repo)."""
+    root = os.environ.get("LASERLM_DATA") or str(Path(__file__).resolve().parents[3] / "shared" / "data")
+    return Path(root) / "wikitext-2" / "valid.txt"
+
+
+@torch.inference_mode()
+def block_influence(engine, input_ids: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """ShortGPT Block Influence of every decoder layer, ``[L]`` float64.
+
+    Args:
+        input_ids: ``[N]`` calibration tokens, processed in independent chunks of ``chunk`` tokens.
+    """
+    ids = input_ids.reshape(-1)
+    L = engine.num_layers
+    total = torch.zeros(L, dtype=torch.float64)
+    count = 0
+    for s in range(0, ids.shape[0], chunk):
+        piece = ids[s:s + chunk]
+        if piece.shape[0] < 2:
+            continue
+        h, st = engine.begin(piece.unsqueeze(0), use_cache=False)
+        for i in range(L):
+            out = engine.run_layer(i, h, st)
+            total[i] += torch.nn.functional.cosine_similarity(h[0].double(), out[0].double(), dim=-1).sum()
+            h = out
+        count += piece.shape[0]
+    if count == 0:
+        raise InvalidArgumentError("block influence needs at least 2 calibration tokens")
+    return 1.0 - total / count
+
+
+def calibration_ids(engine, path=None, num_tokens: int = DEFAULT_CALIB_TOKENS) -> torch.Tensor:
+    """The first ``num_tokens`` tokens of a text file (default: WikiText-2 valid), ``[N]`` int64.
+
+    Raises:
+        ModelNotFoundError: the file does not exist; InvalidArgumentError: no tokenizer on the engine.
+    """
+    path = Path(path) if path else default_calibration_text()
+    if not path.is_file():
+        raise ModelNotFoundError(f"calibration text not found: {path} (pass calib=PATH or drop=i/j/k)")
+    tok = getattr(engine, "tokenizer", None)
+    if tok is None:
+        raise InvalidArgumentError("the engine has no tokenizer to read calibration text; pass drop=i/j/k")
+    text = path.read_text(encoding="utf-8", errors="replace")[: num_tokens * 12]
+    return torch.tensor(tok(text)["input_ids"][:num_tokens], dtype=torch.long)
+
+
+def pruned_layers(engine, num_drop: int, calib=None, num_tokens: int = DEFAULT_CALIB_TOKENS) -> list[int]:
+    """The ``num_drop`` layers with the lowest Block Influence (cached per engine and calibration)."""
+    L = engine.num_layers
+    if not 0 <= num_drop < L:
+        raise InvalidArgumentError(f"can drop 0-{L - 1} of the model's {L} layers, got {num_drop}")
+    cache = engine.__dict__.setdefault("_block_influence", {})
+    key = (str(calib), num_tokens)
+    if key not in cache:
+        cache[key] = block_influence(engine, calibration_ids(engine, calib, num_tokens))
+    bi = cache[key]
+    return sorted(int(i) for i in torch.argsort(bi)[:num_drop])
+
+
+def _runs(layers: list[int]) -> list[tuple[int, int]]:
+    """``[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]``: contiguous half-open runs."""
+    runs: list[tuple[int, int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+class LayerSubset:
+    """The model restricted to ``kept`` decoder layers (static pruning / naive early exit).
+
+    Args:
+        kept: sorted layer indices to run.
+        head: exit head ``fn(hidden [.., d]) -> logits`` (default: the engine's final norm + LM head).
+        name: mode name.
+
+    Raises:
+        InvalidArgumentError: no kept layer, duplicates or indices out of range.
+    """
+
+    def __init__(self, engine, kept: list[int], head=None, name: str = "static"):
+        L = engine.num_layers
+        kept = [int(i) for i in kept]
+        if not kept:
+            raise InvalidArgumentError("at least one decoder layer must be kept")
+        if len(set(kept)) != len(kept) or any(not 0 <= i < L for i in kept):
+            raise InvalidArgumentError(f"kept layers must be distinct indices in 0-{L - 1}, got {kept}")
+        self.kept = sorted(kept)
+        self.runs = _runs(self.kept)
+        self.head = head
+        self.name = name
+
+    def describe(self) -> str:
+        return f"{self.name}(layers={len(self.kept)}, runs={self.runs})"
+
+    def _forward(self, engine, ids: torch.Tensor, use_cache: bool, last: bool) -> torch.Tensor:
+        h, st = engine.begin(ids.reshape(1, -1), use_cache=use_cache)
+        for a, b in self.runs:
+            h = engine.run_layers(a, b, h, st)
+        engine.commit(st)
+        if last:
+            h = h[:, -1:]
+        head = engine.head if self.head is None else self.head
+        return head(h)[0].float()
+
+    def tokens(self, engine, prompt_ids, params, max_tokens):
+        """Prefill and decode with the kept layers only; TokenEvent.layers = number of kept layers."""
+        return EventStream(self._tokens(engine, prompt_ids, params, max_tokens))
+
+    def _tokens(self, engine, prompt_ids, params, max_tokens):
+        generator = None if params.greedy else make_generator(params.seed)
+        n = len(self.kept)
+        with torch.inference_mode():
+            engine.reset()
+            t0 = time.perf_counter()
+            logits = self._forward(engine, prompt_ids, True, True)
+            token = int(sample(logits, params, generator)[0])
+            now = time.perf_counter()
+        yield TokenEvent(token, n, now - t0, {"exit_layer": self.kept[-1] + 1, "compute_layers": n})
+        for _ in range(max_tokens - 1):
+            t0 = now
+            with torch.inference_mode():
+                logits = self._forward(engine, torch.tensor([token]), True, True)
+                token = int(sample(logits, params, generator)[0])
+            now = time.perf_counter()
+            yield TokenEvent(token, n, now - t0, {"exit_layer": self.kept[-1] + 1, "compute_layers": n})
+
+    @torch.inference_mode()
+    def score(self, engine, input_ids) -> ScoreOutput:
+        """Batched teacher-forced forward skipping the dropped layers: ``logits [T, V]``."""
+        logits = self._forward(engine, input_ids, False, False)
+        return ScoreOutput(logits, torch.full((logits.shape[0],), float(len(self.kept))))

@@ -1,0 +1,101 @@
+"""``laserlm eval``: perplexity, zero-shot tasks and agreement for decoding modes, next to full depth."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from ..cli import add_config_args, add_model_args, config_specs, load_from_args
+from ..errors import InvalidArgumentError
+from .data import task_paths
+from .tasks import TASKS, EvalSettings, Evaluator
+
+DEFAULT_TASKS = "wikitext,lambada,hellaswag,arc_easy,piqa,agreement"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "eval", help="measure quality: perplexity, zero-shot tasks, agreement with full depth",
+        description="Evaluate decoding-mode configurations on WikiText-2 perplexity, LAMBADA, HellaSwag, "
+                    "ARC-Easy and PIQA (scored like lm-evaluation-harness) and agreement with the full-depth "
+                    "model. The full-depth reference is always evaluated and shown first.")
+    add_model_args(p)
+    add_config_args(p)
+    p.add_argument("--tasks", default=DEFAULT_TASKS,
+                   help=f"comma-separated subset of {','.join(TASKS)} (default: all)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="items per task (seeded random subset; for agreement: prompts)")
+    p.add_argument("--ppl-windows", type=int, default=None,
+                   help="perplexity over the first N windows of WikiText-2 test (default: the whole file)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the item subset (default: %(default)s)")
+    p.add_argument("--window", type=int, default=512, help="perplexity window in tokens (default: %(default)s)")
+    p.add_argument("--stride", type=int, default=None,
+                   help="sliding-window stride: each window scores only its last STRIDE tokens "
+                        "(default: = window, non-overlapping windows)")
+    p.add_argument("--agreement-windows", type=int, default=8,
+                   help="WikiText-2 windows for top-1 agreement (default: %(default)s)")
+    p.add_argument("--gen-tokens", type=int, default=32,
+                   help="greedy tokens per prompt for generation agreement (default: %(default)s)")
+    p.add_argument("--prompts", default=None, help='jsonl of {"prompt": ...} lines (default: the bundled set)')
+    p.add_argument("--data-dir", default=None, help="data directory (default: $LASERLM_DATA_DIR or ../shared/data)")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the results as JSON to PATH ('-' or no value: stdout, table goes to stderr)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_eval)
+
+
+def parse_tasks(text: str) -> list[str]:
+    tasks = [t.strip() for t in text.split(",") if t.strip()]
+    if not tasks:
+        raise InvalidArgumentError("--tasks is empty")
+    for t in tasks:
+        if t not in TASKS:
+            raise InvalidArgumentError(f"unknown task '{t}'; available tasks: {', '.join(TASKS)}")
+    return list(dict.fromkeys(tasks))
+
+
+def cmd_eval(args) -> int:
+    tasks = parse_tasks(args.tasks)
+    specs = config_specs(args)
+    if args.limit is not None and args.limit < 1:
+        raise InvalidArgumentError(f"--limit must be a positive number of items, got {args.limit}")
+    for name, v, lo in (("--window", args.window, 2), ("--stride", args.stride, 1),
+                        ("--agreement-windows", args.agreement_windows, 1), ("--ppl-windows", args.ppl_windows, 1), ("--gen-tokens", args.gen_tokens, 1)):
+        if v is not None and v < lo:
+            raise InvalidArgumentError(f"{name} must be >= {lo}, got {v}")
+    if args.stride is not None and args.stride > args.window:
+        raise InvalidArgumentError(f"--stride ({args.stride}) cannot exceed --window ({args.window})")
+    for t in tasks:  # fail on missing data before loading the model
+        task_paths("wikitext" if t == "agreement" else t, args.data_dir)
+    settings = EvalSettings(data_dir=args.data_dir, limit=args.limit, seed=args.seed, window=args.window,
+                            stride=args.stride, ppl_windows=args.ppl_windows, agreement_windows=args.agreement_windows,
+                            gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)
+    lm = load_from_args(args)
+    ev = Evaluator(lm, specs, settings)
+    from .report import machine, markdown, now  # noqa: PLC0415
+
+    results, seconds = {}, {}
+    table_out = sys.stderr if args.json == "-" else sys.stdout
+    for t in tasks:
+        t0 = time.perf_counter()
+        results[t] = ev.run(t)
+        seconds[t] = round(time.perf_counter() - t0, 1)
+        print(markdown({t: results[t]}), file=table_out, flush=True)
+    import torch  # noqa: PLC0415
+
+    print(f"model {args.model} ({args.dtype}), {torch.get_num_threads()} threads, {machine()}, {now()}",
+          file=table_out)
+    if args.json:
+        doc = {"command": "eval", "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+               "machine": machine(), "date": now(), "reference": "full", "configs": ev.names,
+               "argv": sys.argv[1:],
+               "settings": {k: v for k, v in vars(settings).items() if k != "progress"},
+               "results": results, "seconds": seconds}
+        text = json.dumps(doc, indent=1, default=float)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    return 0

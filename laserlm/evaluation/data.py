@@ -1,0 +1,216 @@
+"""Readers for the local evaluation data sets (WikiText-2, LAMBADA, HellaSwag, ARC, PIQA).
+
+Each reader turns one file format into plain items; the prompt formats follow EleutherAI's
+lm-evaluation-harness task definitions (``lm_eval/tasks/{lambada,hellaswag,arc,piqa}``):
+
+| task       | file(s)                                   | context                          | continuation(s)      |
+|------------|-------------------------------------------|----------------------------------|----------------------|
+| lambada    | ``lambada/lambada_test.jsonl`` (OpenAI)   | text without its last word       | ``" " + last word``  |
+| hellaswag  | ``hellaswag/hellaswag_val_full.txt.bz2``  | ``"{activity}: {ctx}"``          | ``" " + ending`` x4  |
+| arc_easy   | ``arc/ARC-Easy-Test.jsonl``               | ``"Question: {stem}\\nAnswer:"`` | ``" " + choice``     |
+| piqa       | ``piqa/valid.jsonl`` + ``valid-labels.lst`` | ``"Question: {goal}\\nAnswer:"`` | ``" " + sol1/sol2``  |
+
+The data directory is ``$LASERLM_DATA_DIR`` or, by default, ``../shared/data`` next to the source
+checkout (see :func:`default_data_dir`).
+"""
+
+from __future__ import annotations
+
+import bz2
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InvalidArgumentError, LaserLMError
+
+
+class DataFileError(LaserLMError, FileNotFoundError):
+    """A data file is missing or cannot be parsed."""
+
+
+@dataclass
+class ChoiceItem:
+    """One multiple-choice item: score ``context + " " + choices[i]`` for every ``i`` (lm-eval's default
+    ``target_delimiter``); ``gold`` is the answer index. ``acc_norm`` divides by ``len(choices[i])``."""
+
+    context: str
+    choices: list[str]
+    gold: int
+    id: str = ""
+
+
+@dataclass
+class LambadaItem:
+    """One LAMBADA passage split into ``context`` and the target ``" " + last word``."""
+
+    context: str
+    target: str
+
+
+# task name -> path(s) relative to the data directory
+TASK_FILES = {
+    "wikitext": ("wikitext-2/test.txt",),
+    "lambada": ("lambada/lambada_test.jsonl",),
+    "hellaswag": ("hellaswag/hellaswag_val_full.txt.bz2",),
+    "arc_easy": ("arc/ARC-Easy-Test.jsonl",),
+    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
+}
+
+
+def default_data_dir() -> Path:
+    """``$LASERLM_DATA_DIR`` if set, else ``<checkout>/../shared/data``."""
+    env = os.environ.get("LASERLM_DATA_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "shared" / "data"
+
+
+def task_paths(task: str, data_dir: str | Path | None = None) -> tuple[Path, ...]:
+    """Paths of the files ``task`` reads.
+
+    Raises:
+        InvalidArgumentError: unknown task.
+        DataFileError: a file is missing (the message names it).
+    """
+    if task not in TASK_FILES:
+        raise InvalidArgumentError(f"unknown task '{task}'; available tasks: {', '.join(TASK_FILES)}")
+    root = Path(data_dir) if data_dir is not None else default_data_dir()
+    paths = tuple(root / rel for rel in TASK_FILES[task])
+    for p in paths:
+        if not p.is_file():
+            raise DataFileError(f"data file for task '{task}' not found: {p} (set --data-dir or $LASERLM_DATA_DIR)")
+    return paths
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DataFileError(f"cannot read {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise DataFileError(f"{path} is not UTF-8 text: {exc}") from exc
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(_read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DataFileError(f"{path}:{n}: not a JSON line ({exc.msg})") from exc
+    return rows
+
+
+def read_wikitext(path: str | Path) -> str:
+    """The WikiText-2 file exactly as stored (tokenized text with ``<unk>``, ``@-@``, `` = Heading = `` lines).
+
+    No detokenization: the whole file is one string, newlines kept, as in the Hugging Face
+    perplexity guide (which joins ``wikitext-2-raw-v1`` lines with ``"\\n\\n"``; this file is the
+    tokenized ``wikitext-2-v1`` variant, so numbers are not comparable with raw-text perplexities).
+    """
+    text = _read_text(Path(path))
+    if not text.strip():
+        raise DataFileError(f"{path} is empty")
+    return text
+
+
+def read_lambada(path: str | Path) -> list[LambadaItem]:
+    """OpenAI LAMBADA jsonl ``{"text": ...}`` -> items; target = ``" " + last space-separated word``
+    (lm-eval ``lambada_openai``)."""
+    items = []
+    for row in _read_jsonl(Path(path)):
+        if "text" not in row:
+            raise DataFileError(f"{path}: row without a 'text' field")
+        context, _, word = row["text"].rpartition(" ")
+        items.append(LambadaItem(context, " " + word))
+    return items
+
+
+def _capitalize_last_fragment(ctx: str) -> str:
+    """Upper-case the first letter of the trailing sentence fragment when it starts lowercase.
+
+    lm-eval builds the HellaSwag context as ``ctx_a + " " + ctx_b.capitalize()``; the llama.cpp text
+    file stores ``ctx_a + " " + ctx_b`` with ``ctx_b`` (the unfinished last sentence) as written, usually
+    lowercase. Capitalising the fragment after the last sentence end restores lm-eval's text in the
+    common case (approximation: ``ctx_b`` boundaries are not stored in this format).
+    """
+    m = re.search(r"(?:^|[.!?]\s+|:\s+)([^.!?]*)$", ctx)
+    if not m or not m.group(1):
+        return ctx
+    i = m.start(1)
+    if ctx[i].islower():
+        return ctx[:i] + ctx[i].upper() + ctx[i + 1:]
+    return ctx
+
+
+def read_hellaswag(path: str | Path) -> list[ChoiceItem]:
+    """llama.cpp HellaSwag text format (6 lines per item: context / gold label / 4 endings), bz2 or plain.
+
+    The file's text is already through the HellaSwag preprocessing (bracket tags removed, double
+    spaces collapsed); continuations are ``" " + ending`` (lm-eval ``hellaswag``).
+    """
+    path = Path(path)
+    try:
+        raw = bz2.open(path, "rt", encoding="utf-8").read() if path.suffix == ".bz2" else _read_text(path)
+    except (OSError, EOFError) as exc:
+        raise DataFileError(f"cannot read {path}: {exc}") from exc
+    lines = raw.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    if len(lines) % 6:
+        raise DataFileError(f"{path}: {len(lines)} lines is not a multiple of 6 (context, label, 4 endings)")
+    items = []
+    for i in range(0, len(lines), 6):
+        ctx, label, *endings = lines[i:i + 6]
+        if label.strip() not in {"0", "1", "2", "3"}:
+            raise DataFileError(f"{path}:{i + 2}: label must be 0-3, got {label!r}")
+        items.append(ChoiceItem(_capitalize_last_fragment(ctx.strip()), [e.strip() for e in endings],
+                                int(label), str(i // 6)))
+    return items
+
+
+def read_arc(path: str | Path) -> list[ChoiceItem]:
+    """AI2 ARC jsonl -> ``"Question: {stem}\\nAnswer:"`` with ``" " + choice`` continuations (lm-eval ``arc_easy``)."""
+    items = []
+    for row in _read_jsonl(Path(path)):
+        try:
+            q = row["question"]
+            labels = [c["label"] for c in q["choices"]]
+            items.append(ChoiceItem(f"Question: {q['stem']}\nAnswer:", [c["text"] for c in q["choices"]],
+                                    labels.index(row["answerKey"]), row.get("id", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataFileError(f"{path}: malformed ARC row {row.get('id', '?')}: {exc!r}") from exc
+    return items
+
+
+def read_piqa(path: str | Path, labels_path: str | Path) -> list[ChoiceItem]:
+    """PIQA ``valid.jsonl`` + ``valid-labels.lst`` -> ``"Question: {goal}\\nAnswer:"`` with two solutions (lm-eval ``piqa``)."""
+    rows = _read_jsonl(Path(path))
+    labels = [ln.strip() for ln in _read_text(Path(labels_path)).splitlines() if ln.strip()]
+    if len(rows) != len(labels):
+        raise DataFileError(f"{path} has {len(rows)} rows but {labels_path} has {len(labels)} labels")
+    items = []
+    for n, (row, lab) in enumerate(zip(rows, labels)):
+        if lab not in {"0", "1"} or not {"goal", "sol1", "sol2"} <= row.keys():
+            raise DataFileError(f"{path}: malformed PIQA row {n + 1}")
+        items.append(ChoiceItem(f"Question: {row['goal']}\nAnswer:", [row["sol1"], row["sol2"]],
+                                int(lab), str(n)))
+    return items
+
+
+def load_task(task: str, data_dir: str | Path | None = None):
+    """Read the items of ``task`` (``str`` for wikitext, a list of items otherwise)."""
+    paths = task_paths(task, data_dir)
+    if task == "wikitext":
+        return read_wikitext(paths[0])
+    if task == "lambada":
+        return read_lambada(paths[0])
+    if task == "hellaswag":
+        return read_hellaswag(paths[0])
+    if task == "arc_easy":
+        return read_arc(paths[0])
+    return read_piqa(*paths)

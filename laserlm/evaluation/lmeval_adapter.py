@@ -1,0 +1,117 @@
+"""An lm-evaluation-harness model over a laserlm decoding mode (optional extra: ``pip install 'laserlm[lmeval]'``).
+
+Implements lm-eval's three request types (lm-eval 0.4 ``LM`` API):
+
+- ``loglikelihood((context, continuation))`` -> ``(sum log p(continuation | context), is_greedy)``,
+  tokenized like ``HFLM._encode_pair`` (:func:`~laserlm.evaluation.scoring.encode_pair`);
+- ``loglikelihood_rolling((text,))`` -> sum log p(text) over non-overlapping windows of the context
+  size, the first token conditioned on the BOS (or EOS) token, as lm-eval's rolling windows do;
+- ``generate_until((context, gen_kwargs))`` -> text, greedy unless ``do_sample``/``temperature`` ask
+  otherwise, stopped at the ``until`` strings.
+
+Usage::
+
+    import lm_eval, laserlm
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+    model = LaserLMHarness(laserlm.load("smollm2-135m"), mode="full")
+    lm_eval.simple_evaluate(model=model, tasks=["lambada_openai"])
+
+or from the lm-eval command line: ``lm_eval --model laserlm --model_args model=smollm2-135m,mode=full``.
+"""
+
+from __future__ import annotations
+
+from ..errors import LaserLMError
+from .scoring import Scorer, encode_pair
+from .tasks import text_windows
+
+try:  # the harness is optional; without it the class still works on request-like objects
+    from lm_eval.api.model import LM as _Base
+    from lm_eval.api.registry import register_model as _register
+except ImportError:  # pragma: no cover - depends on the environment
+    _Base, _register = object, None
+
+
+def _args(req):
+    return req.args if hasattr(req, "args") else tuple(req)
+
+
+class LaserLMHarness(_Base):
+    """lm-eval ``LM`` over one laserlm model and decoding mode.
+
+    Args:
+        lm: a loaded :class:`laserlm.LaserLM`, or None to load ``model`` / ``dtype``.
+        mode: decoding mode spec (``"full"``, ``"adaptive:..."``; with lm-eval's ``--model_args`` string,
+            whose commas split arguments, write option commas as ``;``).
+        max_gen_toks: default generation length for ``generate_until``.
+    """
+
+    def __init__(self, lm=None, model: str = "smollm2-135m", dtype: str = "float32", mode: str = "full",
+                 max_gen_toks: int = 256, batch_size=1, **_ignored):
+        if _Base is not object:
+            super().__init__()
+        if lm is None:
+            import laserlm  # noqa: PLC0415
+
+            lm = laserlm.load(model, dtype=dtype)
+        self.lm = lm
+        self.mode_spec = mode.replace(";", ",")
+        self.scorer = Scorer(lm.engine, self.mode_spec)
+        self.max_gen_toks = int(max_gen_toks)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        kwargs = dict(kv.split("=", 1) for kv in arg_string.split(",") if kv.strip()) if arg_string else {}
+        return cls(**kwargs)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return getattr(self.lm.tokenizer, "name_or_path", "laserlm").replace("/", "__")
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        out = []
+        for req in requests:
+            context, continuation = _args(req)[:2]
+            ids, start = encode_pair(self.lm.tokenizer, context, continuation)
+            excess = len(ids) - (self.lm.engine.max_seq_len + 1)
+            if excess > 0:  # keep the most recent tokens, as lm-eval's left truncation does
+                ids, start = ids[excess:], max(1, start - excess)
+            r = self.scorer.score([ids], [start])[0]
+            out.append((r.logprob, r.greedy))
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        tok = self.lm.tokenizer
+        prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+        out = []
+        for req in requests:
+            text = _args(req)[0]
+            ids = [prefix] + tok(text, add_special_tokens=False)["input_ids"]
+            w = self.lm.engine.max_seq_len
+            total = 0.0
+            for b, e, f in text_windows(len(ids), w, w, has_prefix=False):
+                total += self.scorer.score([ids[b:e]], [f - b])[0].logprob
+            out.append(total)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for req in requests:
+            context, kwargs = _args(req)[:2]
+            kwargs = dict(kwargs or {})
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample", False) else 0.0
+            n = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            if not context:
+                raise LaserLMError("generate_until needs a non-empty context")
+            res = self.lm.generate(context, mode=self.scorer.mode, max_new_tokens=n, temperature=temperature,
+                                   stop=until, seed=kwargs.get("seed"))
+            out.append(res.text)
+        return out
+
+
+if _register is not None:
+    _register("laserlm")(LaserLMHarness)
+
+__all__ = ["LaserLMHarness"]

@@ -1,0 +1,92 @@
+"""Markdown tables of evaluation results: one table per task, one row per configuration, the
+full-depth reference first; every non-reference number shows its change from the reference."""
+
+from __future__ import annotations
+
+import math
+import platform
+import time
+
+import torch
+
+# task -> (metric, label, format, better) ; better: +1 higher is better, -1 lower is better, 0 neutral
+COLUMNS = {
+    "wikitext": [("perplexity", "PPL", ".3f", -1), ("top1_agreement", "top-1 agree", ".4f", +1),
+                 ("mean_layers", "layers/tok", ".2f", 0), ("tokens_scored", "tokens", "d", 0)],
+    "lambada": [("acc", "acc", ".4f", +1), ("perplexity", "target PPL", ".3f", -1),
+                ("prediction_agreement", "pred agree", ".4f", +1), ("mean_layers", "layers/tok", ".2f", 0),
+                ("n", "n", "d", 0)],
+    "agreement": [("top1_agreement", "top-1 agree", ".4f", +1), ("gen_exact_match", "gen exact", ".3f", +1),
+                  ("gen_mean_lcp_tokens", "gen LCP tok", ".1f", +1), ("gen_mean_lcp_fraction", "LCP frac", ".3f", +1),
+                  ("prompts", "prompts", "d", 0)],
+}
+CHOICE_COLUMNS = [("acc", "acc", ".4f", +1), ("acc_norm", "acc_norm", ".4f", +1),
+                  ("choice_agreement", "answer agree", ".4f", +1), ("mean_layers", "layers/tok", ".2f", 0),
+                  ("n", "n", "d", 0)]
+
+
+def machine() -> str:
+    """A one-line description of this machine (CPU, cores, torch threads)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import os  # noqa: PLC0415
+
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+
+
+def _fmt(v, fmt: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return format(v, fmt)
+
+
+def _setting_line(task: str, ref: dict) -> str:
+    if task == "wikitext":
+        return (f"WikiText-2 test (tokenized file as is), {ref['method']} windows of {ref['window']} tokens"
+                + (f", stride {ref['stride']}" if ref["method"] == "sliding" else "")
+                + (", each window prefixed with BOS" if ref.get("bos_prefix") else "")
+                + f"; {ref['windows']} windows, {ref['tokens_scored']} tokens scored")
+    if task == "agreement":
+        return (f"top-1 agreement on {ref['positions']} WikiText-2 test positions (windows of {ref['window']}); "
+                f"greedy generations of {ref['gen_tokens']} tokens on {ref['prompts']} prompts"
+                + (" (chat template)" if ref.get("chat") else ""))
+    n, of = ref.get("n"), ref.get("of")
+    return f"{n} of {of} items" + (" (seeded random subset)" if n != of else " (full set)")
+
+
+def markdown(results: dict, reference: str = "full") -> str:
+    """``{task: {config: metrics}}`` -> markdown, one table per task."""
+    out = []
+    for task, per_cfg in results.items():
+        cols = COLUMNS.get(task, CHOICE_COLUMNS)
+        ref = per_cfg.get(reference, next(iter(per_cfg.values())))
+        out.append(f"### {task}\n\n{_setting_line(task, ref)}\n")
+        out.append("| config | " + " | ".join(c[1] for c in cols) + " |")
+        out.append("|---|" + "---:|" * len(cols))
+        for name, m in per_cfg.items():
+            cells = []
+            for key, _label, fmt, better in cols:
+                v = m.get(key)
+                cell = _fmt(v, fmt)
+                if key in ("acc", "acc_norm") and m.get(f"{key}_stderr") is not None:
+                    cell += f" ± {_fmt(m[f'{key}_stderr'], '.4f')}"
+                if name != reference and better and isinstance(v, (int, float)) and isinstance(ref.get(key), (int, float)):
+                    if key == "perplexity":
+                        cell += f" ({v / ref[key] - 1:+.1%})" if ref[key] else ""
+                    else:
+                        cell += f" ({v - ref[key]:+.4f})"
+                cells.append(cell)
+            out.append(f"| {name} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,133 @@
+"""Log-likelihood scoring of continuations under a decoding mode (lm-evaluation-harness conventions).
+
+Everything here goes through the decoding-mode interface (:mod:`laserlm.runtime.modes`):
+``mode.score(engine, ids[T]) -> ScoreOutput(logits[T, V], layers[T])``, so every configuration that
+registers a mode is scored the same way. For the full-depth mode the scorer takes a faster, exactly
+equivalent path: the choices of an item are right-padded into one batch (padding after the last real
+token cannot change causal attention of earlier positions) and the LM head runs only on the
+positions that are scored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ContextLengthError, LaserLMError
+from ..runtime.modes import FullDepth, make_mode
+
+
+@dataclass
+class SequenceScore:
+    """Scores of the target tokens ``ids[start:]`` of one sequence.
+
+    Attributes:
+        token_logprobs: ``[n]`` natural-log probabilities of the target tokens.
+        greedy: whether every target token is the argmax of its distribution (lm-eval ``is_greedy``).
+        argmax: ``[n]`` the argmax token at each target position.
+        layers: ``[n]`` decoder layers the mode ran for the positions that predicted the targets.
+    """
+
+    token_logprobs: torch.Tensor
+    greedy: bool
+    argmax: torch.Tensor
+    layers: torch.Tensor
+
+    @property
+    def logprob(self) -> float:
+        return float(self.token_logprobs.sum())
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], int]:
+    """Tokenize ``context + continuation`` like lm-eval's ``HFLM._encode_pair``.
+
+    Trailing spaces of the context move to the continuation; the whole string is encoded once and
+    the continuation is what follows the context's own encoding. Special tokens follow the
+    tokenizer's default (SmolLM2 adds none, Gemma adds ``<bos>``, as lm-eval does for Gemma).
+
+    Returns ``(ids, start)``: the token ids and the index of the first continuation token.
+    """
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    whole = tokenizer(context + continuation)["input_ids"]
+    ctx = tokenizer(context)["input_ids"]
+    start = len(ctx)
+    if start == 0:  # empty context: condition on the BOS / EOS token, as lm-eval does
+        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        whole, start = [prefix] + whole, 1
+    if start >= len(whole):
+        raise LaserLMError(f"continuation {continuation!r} encodes to no tokens after its context")
+    return whole, start
+
+
+class Scorer:
+    """Scores token sequences with one decoding mode on one engine.
+
+    Args:
+        engine: a :class:`~laserlm.runtime.engine.Engine`.
+        mode: a decoding-mode object or spec string.
+        batch: right-pad and batch sequences for the full-depth mode (exact; False = one call each).
+    """
+
+    def __init__(self, engine, mode, batch: bool = True):
+        self.engine = engine
+        self.mode = make_mode(mode, engine)
+        self.fast = batch and isinstance(self.mode, FullDepth)
+
+    def _check_len(self, ids) -> None:
+        if len(ids) - 1 > self.engine.max_seq_len:
+            raise ContextLengthError(f"sequence of {len(ids)} tokens exceeds the context size {self.engine.max_seq_len}")
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``input_ids [T]`` -> ``(logits [T, V] float32, layers [T])`` through the mode."""
+        out = self.mode.score(self.engine, input_ids)
+        return out.logits.float(), out.layers
+
+    @torch.inference_mode()
+    def score(self, seqs: list[list[int]], starts: list[int]) -> list[SequenceScore]:
+        """Score the tokens ``seq[start:]`` of each sequence given ``seq[:start]`` (``start >= 1``).
+
+        Raises:
+            ContextLengthError: a sequence longer than the engine's context.
+        """
+        for s in seqs:
+            self._check_len(s)
+        if self.fast and len(seqs) > 1:
+            return self._score_batched(seqs, starts)
+        out = []
+        for ids, start in zip(seqs, starts):
+            if self.fast:
+                out.extend(self._score_batched([ids], [start]))
+                continue
+            logits, layers = self.logits(torch.tensor(ids[:-1], dtype=torch.long))
+            out.append(_target_scores(logits[start - 1:], torch.tensor(ids[start:]), layers[start - 1:]))
+        return out
+
+    def _score_batched(self, seqs, starts) -> list[SequenceScore]:
+        eng = self.engine
+        lens = [len(s) - 1 for s in seqs]
+        t = max(lens)
+        ids = torch.zeros(len(seqs), t, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :lens[i]] = torch.tensor(s[:-1])
+        first = min(starts) - 1
+        hidden, state = eng.begin(ids, use_cache=False)
+        hidden = eng.run_layers(0, eng.num_layers, hidden, state)
+        logits = eng.head(hidden[:, first:])
+        out = []
+        for i, (s, start) in enumerate(zip(seqs, starts)):
+            lg = logits[i, start - 1 - first:lens[i] - first]
+            out.append(_target_scores(lg, torch.tensor(s[start:]), torch.full((lg.shape[0],), float(eng.num_layers))))
+        return out
+
+
+def _target_scores(logits: torch.Tensor, targets: torch.Tensor, layers: torch.Tensor) -> SequenceScore:
+    """``logits [n, V]`` predicting ``targets [n]`` -> log-probs (float32 logsumexp, returned as float64), greedy flag."""
+    logits = logits.float()
+    tok = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)).double()
+    argmax = logits.argmax(-1)
+    return SequenceScore(tok, bool((argmax == targets).all()), argmax, layers.float())

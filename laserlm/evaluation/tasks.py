@@ -1,0 +1,343 @@
+"""Quality metrics for decoding modes, always next to the full-depth reference.
+
+- ``wikitext``: perplexity = exp(mean token NLL) over WikiText-2 test, in non-overlapping windows
+  (``stride == window``) or sliding windows (Hugging Face perplexity guide: each window of ``window``
+  tokens scores only its last ``stride`` tokens, the rest is context). Also top-1 agreement with the
+  full-depth model on the scored positions.
+- ``lambada``: last-word accuracy (all target tokens are the greedy prediction, lm-eval ``is_greedy``)
+  and target perplexity ``exp(-mean_item(log p(target)))`` (lm-eval ``lambada_openai``).
+- ``hellaswag``, ``arc_easy``, ``piqa``: lm-eval multiple choice: ``acc`` = argmax of the summed
+  log-likelihood of each continuation, ``acc_norm`` = argmax of log-likelihood / characters of the
+  choice; standard errors ``sqrt(p(1-p)/(n-1))`` (lm-eval ``mean_stderr``).
+- ``agreement``: greedy top-1 agreement per position with the full model on WikiText-2 windows, and
+  exact match / longest common prefix (tokens) of greedy generations on a prompt set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import InvalidArgumentError, LaserLMError
+from ..runtime.modes import make_mode
+from .data import ChoiceItem, load_task
+from .scoring import Scorer, encode_pair
+
+TASKS = ("wikitext", "lambada", "hellaswag", "arc_easy", "piqa", "agreement")
+REFERENCE = "full"
+
+
+def select(n: int, limit: int | None, seed: int) -> list[int]:
+    """Indices of the items to evaluate: all of them, or ``limit`` drawn with ``random.Random(seed)`` (sorted).
+
+    Raises:
+        InvalidArgumentError: ``limit < 1``.
+    """
+    if limit is not None and limit < 1:
+        raise InvalidArgumentError(f"--limit must be a positive number of items, got {limit}")
+    if limit is None or limit >= n:
+        return list(range(n))
+    return sorted(random.Random(seed).sample(range(n), limit))
+
+
+def stderr_of_mean(p: float, n: int) -> float:
+    """Standard error of a proportion ``p`` over ``n`` items, ``sqrt(p(1-p)/(n-1))`` (lm-eval)."""
+    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
+
+
+def text_windows(n_tokens: int, window: int, stride: int, has_prefix: bool) -> list[tuple[int, int, int]]:
+    """``(begin, end, score_from)`` windows over ``n_tokens`` text tokens (Hugging Face perplexity guide).
+
+    Each window feeds tokens ``[begin, end)`` and scores ``[score_from, end)``: the tokens not scored
+    by the previous window. Without a BOS prefix the very first token has no prediction and is skipped.
+
+    Raises:
+        InvalidArgumentError: ``window < 2`` or ``stride`` outside ``1..window``.
+    """
+    if window < 2:
+        raise InvalidArgumentError(f"window must be at least 2 tokens, got {window}")
+    if not 1 <= stride <= window:
+        raise InvalidArgumentError(f"stride must be between 1 and the window ({window}), got {stride}")
+    out, prev_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + window, n_tokens)
+        score_from = max(prev_end, begin + (0 if has_prefix else 1))
+        if score_from < end:
+            out.append((begin, end, score_from))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return out
+
+
+@dataclass
+class EvalSettings:
+    """Options of one evaluation run (see ``laserlm eval --help``)."""
+
+    data_dir: str | None = None
+    limit: int | None = None
+    seed: int = 0
+    window: int = 512
+    stride: int | None = None  # None = window (non-overlapping)
+    ppl_windows: int | None = None  # None = the whole file
+    agreement_windows: int = 8
+    gen_tokens: int = 32
+    prompts: str | None = None  # path of a prompts jsonl; None = the bundled set
+    chat: bool | None = None  # None = use the chat template when the tokenizer has one
+    progress: bool = True
+
+
+class Evaluator:
+    """Runs quality tasks for several decoding modes of one loaded model.
+
+    Args:
+        lm: a :class:`laserlm.LaserLM`.
+        specs: mode specs (or objects); the full-depth reference ``"full"`` is always added first.
+        settings: :class:`EvalSettings`.
+
+    Raises:
+        InvalidArgumentError: unknown mode or bad options.
+        LaserLMError: a configuration that cannot run on this model (checked on a few tokens up front).
+    """
+
+    def __init__(self, lm, specs, settings: EvalSettings | None = None):
+        self.lm = lm
+        self.s = settings or EvalSettings()
+        names = [REFERENCE] + [s for s in specs if s != REFERENCE]
+        self.scorers = {name: Scorer(lm.engine, name) for name in dict.fromkeys(names)}
+        self._argmax_cache: dict[tuple[str, int], torch.Tensor] = {}
+        for name in self.scorers:
+            if name != REFERENCE:
+                check_runnable(lm, name, self.scorers[name].mode)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.scorers)
+
+    def _bar(self, it, desc, total=None):
+        return tqdm(it, desc=desc, total=total, disable=not self.s.progress, leave=False, dynamic_ncols=True)
+
+    def run(self, task: str) -> dict:
+        """Metrics of ``task`` for every configuration: ``{config: {metric: value}}``.
+
+        Raises:
+            InvalidArgumentError: unknown task.
+            DataFileError: its data file is missing or malformed.
+        """
+        if task not in TASKS:
+            raise InvalidArgumentError(f"unknown task '{task}'; available tasks: {', '.join(TASKS)}")
+        return getattr(self, f"_run_{task}")()
+
+    # -- perplexity ------------------------------------------------------------------------------
+    def _wikitext_windows(self, max_windows: int | None):
+        tok = self.lm.tokenizer
+        text = load_task("wikitext", self.s.data_dir)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        prefix = tok("")["input_ids"]  # the special tokens the tokenizer adds by default (Gemma: <bos>)
+        window = min(self.s.window, self.lm.engine.max_seq_len - len(prefix) + 1)
+        stride = self.s.stride or window
+        wins = text_windows(len(ids), window, stride, bool(prefix))
+        if max_windows is not None:
+            wins = wins[:max_windows]
+        return ids, prefix, window, stride, wins
+
+    def _score_windows(self, name, ids, prefix, wins, desc):
+        sc = self.scorers[name]
+        nll, n, layers, argmax = 0.0, 0, 0.0, []
+        for w, (b, e, f) in enumerate(self._bar(wins, desc)):
+            seq = prefix + ids[b:e]
+            r = sc.score([seq], [len(prefix) + f - b])[0]
+            nll -= float(r.token_logprobs.sum())
+            n += r.token_logprobs.numel()
+            layers += float(r.layers.sum())
+            argmax.append(r.argmax)
+            self._argmax_cache[(name, w)] = r.argmax
+        return nll, n, layers, argmax
+
+    def _run_wikitext(self) -> dict:
+        if self.s.ppl_windows is not None and self.s.ppl_windows < 1:
+            raise InvalidArgumentError(f"--ppl-windows must be positive, got {self.s.ppl_windows}")
+        ids, prefix, window, stride, wins = self._wikitext_windows(self.s.ppl_windows)
+        results, ref_argmax = {}, None
+        for name in self.names:
+            nll, n, layers, argmax = self._score_windows(name, ids, prefix, wins, f"wikitext [{name}]")
+            all_argmax = torch.cat(argmax)
+            if ref_argmax is None:
+                ref_argmax = all_argmax
+            results[name] = {
+                "perplexity": math.exp(nll / n), "nll_per_token": nll / n, "tokens_scored": n,
+                "windows": len(wins), "window": window, "stride": stride,
+                "method": "non-overlapping" if stride == window else "sliding",
+                "bos_prefix": bool(prefix),
+                "top1_agreement": float((all_argmax == ref_argmax).double().mean()),
+                "mean_layers": layers / n,
+            }
+        return results
+
+    # -- multiple choice -------------------------------------------------------------------------
+    def _run_choice_task(self, task: str) -> dict:
+        items: list[ChoiceItem] = load_task(task, self.s.data_dir)
+        idx = select(len(items), self.s.limit, self.s.seed)
+        encoded = []
+        for i in idx:
+            it = items[i]
+            pairs = [encode_pair(self.lm.tokenizer, it.context, " " + c) for c in it.choices]
+            encoded.append((it, [p[0] for p in pairs], [p[1] for p in pairs]))
+        results, ref_pred = {}, None
+        for name in self.names:
+            sc = self.scorers[name]
+            preds, preds_norm, correct, correct_norm, layers, ntok = [], [], 0, 0, 0.0, 0
+            for it, seqs, starts in self._bar(encoded, f"{task} [{name}]"):
+                scores = sc.score(seqs, starts)
+                ll = [s.logprob for s in scores]
+                lln = [x / max(len(c), 1) for x, c in zip(ll, it.choices)]
+                p, pn = max(range(len(ll)), key=ll.__getitem__), max(range(len(lln)), key=lln.__getitem__)
+                preds.append(p)
+                preds_norm.append(pn)
+                correct += p == it.gold
+                correct_norm += pn == it.gold
+                layers += sum(float(s.layers.sum()) for s in scores)
+                ntok += sum(s.layers.numel() for s in scores)
+            n = len(encoded)
+            if ref_pred is None:
+                ref_pred = preds
+            acc, acc_norm = correct / n, correct_norm / n
+            results[name] = {"acc": acc, "acc_stderr": stderr_of_mean(acc, n), "acc_norm": acc_norm,
+                             "acc_norm_stderr": stderr_of_mean(acc_norm, n),
+                             "choice_agreement": sum(a == b for a, b in zip(preds, ref_pred)) / n,
+                             "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1)}
+        return results
+
+    def _run_hellaswag(self):
+        return self._run_choice_task("hellaswag")
+
+    def _run_arc_easy(self):
+        return self._run_choice_task("arc_easy")
+
+    def _run_piqa(self):
+        return self._run_choice_task("piqa")
+
+    # -- lambada ---------------------------------------------------------------------------------
+    def _run_lambada(self) -> dict:
+        items = load_task("lambada", self.s.data_dir)
+        idx = select(len(items), self.s.limit, self.s.seed)
+        encoded = [encode_pair(self.lm.tokenizer, items[i].context, items[i].target) for i in idx]
+        results, ref_pred = {}, None
+        for name in self.names:
+            sc = self.scorers[name]
+            lls, hits, preds, layers, ntok = [], 0, [], 0.0, 0
+            for seq, start in self._bar(encoded, f"lambada [{name}]"):
+                r = sc.score([seq], [start])[0]
+                lls.append(r.logprob)
+                hits += r.greedy
+                preds.append(r.argmax)
+                layers += float(r.layers.sum())
+                ntok += r.layers.numel()
+            n = len(encoded)
+            if ref_pred is None:
+                ref_pred = preds
+            acc = hits / n
+            results[name] = {"acc": acc, "acc_stderr": stderr_of_mean(acc, n),
+                             "perplexity": math.exp(-sum(lls) / n),
+                             "prediction_agreement": sum(bool(torch.equal(a, b)) for a, b in zip(preds, ref_pred)) / n,
+                             "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1)}
+        return results
+
+    # -- agreement -------------------------------------------------------------------------------
+    def _run_agreement(self) -> dict:
+        ids, prefix, window, stride, wins = self._wikitext_windows(self.s.agreement_windows)
+        argmax = {}
+        for name in self.names:
+            cached = [self._argmax_cache.get((name, w)) for w in range(len(wins))]
+            if all(c is not None for c in cached):
+                argmax[name] = torch.cat(cached)
+            else:
+                argmax[name] = torch.cat(self._score_windows(name, ids, prefix, wins, f"agreement [{name}]")[3])
+        prompts = load_prompts(self.s.prompts)
+        if self.s.limit is not None:
+            prompts = [prompts[i] for i in select(len(prompts), self.s.limit, self.s.seed)]
+        chat = self.s.chat if self.s.chat is not None else bool(getattr(self.lm.tokenizer, "chat_template", None))
+        gens = {}
+        for name in self.names:
+            mode = self.scorers[name].mode
+            gens[name] = [self.lm.generate(p, chat=chat, mode=mode, max_new_tokens=self.s.gen_tokens,
+                                           temperature=0.0).token_ids
+                          for p in self._bar(prompts, f"generate [{name}]")]
+        ref, ref_gen = argmax[REFERENCE], gens[REFERENCE]
+        results = {}
+        for name in self.names:
+            lcps = [common_prefix(a, b) for a, b in zip(gens[name], ref_gen)]
+            results[name] = {
+                "top1_agreement": float((argmax[name] == ref).double().mean()), "positions": int(ref.numel()),
+                "gen_exact_match": sum(a == b for a, b in zip(gens[name], ref_gen)) / len(ref_gen),
+                "gen_mean_lcp_tokens": sum(lcps) / len(lcps),
+                "gen_mean_lcp_fraction": sum(c / max(len(b), 1) for c, b in zip(lcps, ref_gen)) / len(lcps),
+                "prompts": len(prompts), "gen_tokens": self.s.gen_tokens, "chat": chat, "window": window,
+            }
+        return results
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def load_prompts(path: str | None = None) -> list[str]:
+    """Prompts for generation agreement: a jsonl of ``{"prompt": ...}`` (default: the bundled 16 questions).
+
+    Raises:
+        DataFileError: missing or malformed file.
+    """
+    from .data import DataFileError  # noqa: PLC0415
+
+    try:
+        text = Path(path).read_text(encoding="utf-8") if path else \
+            resources.files("laserlm.evaluation").joinpath("prompts.jsonl").read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DataFileError(f"cannot read prompt file {path}: {exc}") from exc
+    try:
+        prompts = [json.loads(ln)["prompt"] for ln in text.splitlines() if ln.strip()]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise DataFileError(f"{path}: each line must be a JSON object with a 'prompt' string") from exc
+    if not prompts:
+        raise DataFileError(f"{path}: no prompts")
+    return prompts
+
+
+def check_runnable(lm, spec: str, mode=None) -> None:
+    """Run ``spec`` on a few tokens (score and two generated tokens) so a configuration that cannot run
+    on this model fails up front with one clear line.
+
+    Raises:
+        InvalidArgumentError: unknown mode / bad options (from :func:`make_mode`).
+        LaserLMError: the configuration raised while running.
+    """
+    from ..runtime.sampling import SamplingParams  # noqa: PLC0415
+
+    mode = mode if mode is not None else make_mode(spec, lm.engine)
+    ids = torch.tensor(lm.tokenizer("The quick brown fox jumps over")["input_ids"], dtype=torch.long)
+    try:
+        with torch.inference_mode():
+            out = mode.score(lm.engine, ids)
+            if tuple(out.logits.shape[:1]) != (ids.shape[0],):
+                raise ValueError(f"score() returned logits of shape {tuple(out.logits.shape)} for {ids.shape[0]} tokens")
+            for _ in mode.tokens(lm.engine, ids, SamplingParams(max_new_tokens=2), 2):
+                pass
+    except LaserLMError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of a plug-in mode becomes one clear line
+        raise LaserLMError(f"configuration '{spec}' cannot run on this model: {type(exc).__name__}: {exc}") from exc
+    finally:
+        lm.engine.reset()

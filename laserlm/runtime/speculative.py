@@ -1,0 +1,379 @@
+"""Self-speculative decoding: the shallow path drafts, the full model verifies (the lossless mode).
+
+Sources: LayerSkip (Elhoushi et al. 2024, self-speculation with an early-exit draft and reuse of the
+draft's computation), Draft & Verify (Zhang et al. 2023, layer-skipping drafts, adaptive draft length
+by confidence), SWIFT (Xia et al. 2024); the acceptance rule is the standard one of speculative
+sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling"). Loop structure after
+gpt-fast's ``speculative_decode``.
+
+One *cycle*, with ``L`` decoder layers, draft depth ``N`` and at most ``K`` drafted tokens, starting
+with ``cur`` (the last emitted token, not yet in the KV cache) at position ``P``:
+
+1. **Draft.** Feed ``cur`` through layers ``0..N-1`` (writing their K/V at ``P`` in the engine's one
+   :class:`~laserlm.runtime.kv_cache.KVCache`), apply the exit head (final norm + LM head by default,
+   or any callable ``hidden [B, T, d] -> logits [B, T, V]``, e.g. a calibrated exit head) and draw
+   ``d1 ~ q0``; feed ``d1`` at ``P+1`` ... until ``K`` tokens are drafted or the draft's confidence
+   (max softmax probability of the exit head) falls below ``threshold`` (adaptive draft length).
+   The draft attends to the verified K/V of its own layers: no second cache.
+2. **Verify.** Roll the cache back to ``P`` and run ``[cur, d1..dm]`` (``m <= K``) through the full
+   model in one forward of ``m+1`` positions; this rewrites the K/V of the drafted positions. With
+   ``reuse`` (default, LayerSkip's "exit query cache") the verify starts from the draft's layer-``N``
+   hidden states and runs only layers ``N..L-1``; the draft's K/V for layers ``< N`` are exactly what
+   the full model computes for those tokens, so they stay. (The draft then also feeds ``dm`` through
+   layers ``< N``, which the verify would otherwise do.)
+3. **Accept.** Greedy: keep the longest prefix of drafts equal to the full model's argmax, then the
+   full model's correction (or bonus) token. Sampling: accept ``d_i`` with probability
+   ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection draw from ``norm(max(0, p_i - q_i))``;
+   if all are accepted draw the bonus token from ``p_m``. ``p`` and ``q`` are both processed by
+   :func:`~laserlm.runtime.sampling.filter_logits` (temperature, top-k, top-p), so the emitted
+   tokens are distributed exactly as full-depth sampling with the same settings.
+4. **Roll back** the cache to ``P + accepted + 1`` (:meth:`Engine.truncate`).
+
+Greedy output is token-for-token the full model's greedy output (up to float rounding of a
+batched vs single-token forward, which never flipped a token in our tests); scoring is teacher-forced
+full depth (the mode is lossless, so its logits *are* the full model's).
+
+Spec: ``speculative:draft_layers=12,k=4,threshold=0.5[,reuse=1]``; ``draft_layers``, ``k`` and
+``threshold`` also take ``auto`` (``auto=1`` sets every option not given to ``auto``): a short
+calibration on local validation text picks them (see :mod:`laserlm.runtime.speculative_calibration`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from ..errors import InvalidArgumentError
+from .generate import TokenEvent
+from .modes import FullDepth, ScoreOutput, register_mode
+from .sampling import SamplingParams, make_generator, probabilities
+
+ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
+
+MAX_K = 64
+DEFAULT_K = 4
+DEFAULT_THRESHOLD = 0.0
+
+
+@dataclass
+class SpeculativeStats:
+    """Counters of one speculative generation (all cycles after the prefill).
+
+    Attributes:
+        cycles: draft-then-verify cycles (= full-depth verify forwards).
+        drafted: drafted tokens sent to verification.
+        accepted: drafted tokens accepted.
+        emitted: tokens emitted by the cycles (accepted + one correction/bonus per cycle).
+        draft_steps: single-token forwards through the draft layers.
+        draft_s, verify_s: wall-clock seconds spent drafting (draft layers + exit head + sampling)
+            and verifying (full-depth forward of the ``m+1`` positions + acceptance).
+        prefill_s: seconds of the full-depth prompt forward (and first token).
+    """
+
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    draft_steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def summary(self) -> dict:
+        """Rates: ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` = tokens emitted
+        per verify forward including the correction/bonus token (EAGLE's tau; 1.0 = no gain)."""
+        c, d = max(self.cycles, 1), max(self.drafted, 1)
+        return {
+            **asdict(self),
+            "acceptance_rate": round(self.accepted / d, 4) if self.drafted else float("nan"),
+            "mean_accepted_length": round(self.emitted / c, 4) if self.cycles else float("nan"),
+            "mean_drafted": round(self.drafted / c, 4) if self.cycles else float("nan"),
+            "draft_fraction": round(self.draft_s / max(self.draft_s + self.verify_s, 1e-12), 4),
+        }
+
+
+def _parse_int(name: str, value) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"speculative option {name} must be an integer, got {value!r}") from None
+
+
+def _parse_float(name: str, value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"speculative option {name} must be a number, got {value!r}") from None
+
+
+def _parse_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    raise InvalidArgumentError(f"speculative option {name} must be true/false (1/0), got {value!r}")
+
+
+class SpeculativeDecoding:
+    """The ``speculative`` decoding mode (see the module docstring for the algorithm).
+
+    Args:
+        num_layers: decoder layers ``L`` of the engine's model (for validation).
+        draft_layers: draft depth ``N``, in ``[1, L-1]``.
+        k: maximum drafted tokens per cycle, in ``[1, 64]``.
+        threshold: adaptive draft length: stop drafting when the exit head's max probability is
+            below it; in ``[0, 1]`` (0 = always draft ``k``).
+        reuse: verify from the draft's layer-``N`` hidden states (runs layers ``N..L-1`` only).
+        exit_head: ``hidden [B, T, d] -> logits [B, T, V]`` applied after layer ``N``; ``None`` = the
+            model's final norm + LM head (:meth:`Engine.head`). A calibrated exit head (tuned lens)
+            plugs in here.
+        exit_head_name: label for stats.
+
+    Raises:
+        InvalidArgumentError: any option out of range.
+    """
+
+    name = "speculative"
+
+    def __init__(self, num_layers: int, draft_layers: int | None = None, k: int = DEFAULT_K,
+                 threshold: float = DEFAULT_THRESHOLD, reuse: bool = True, exit_head: ExitHead | None = None,
+                 exit_head_name: str | None = None):
+        if draft_layers is None:
+            draft_layers = max(1, num_layers // 2)
+        if isinstance(draft_layers, bool) or not isinstance(draft_layers, int) or not 1 <= draft_layers < num_layers:
+            raise InvalidArgumentError(
+                f"draft_layers must be an integer in [1, {num_layers - 1}] for this {num_layers}-layer model "
+                f"(the draft must be shallower than the full model), got {draft_layers!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+            raise InvalidArgumentError(f"k (drafted tokens per cycle) must be an integer in [1, {MAX_K}], got {k!r}")
+        if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
+            raise InvalidArgumentError(f"threshold (draft confidence) must be in [0, 1], got {threshold!r}")
+        if exit_head is not None and not callable(exit_head):
+            raise InvalidArgumentError("exit_head must be a callable hidden [B, T, d] -> logits [B, T, V]")
+        self.num_layers = num_layers
+        self.draft_layers = draft_layers
+        self.k = k
+        self.threshold = float(threshold)
+        self.reuse = bool(reuse)
+        self.exit_head = exit_head
+        self.exit_head_name = exit_head_name or ("lm_head" if exit_head is None else type(exit_head).__name__)
+        self.calibration: dict | None = None  # filled by the auto calibration
+
+    def config(self) -> dict:
+        return {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
+                "reuse": self.reuse, "exit_head": self.exit_head_name}
+
+    def tokens(self, engine, prompt_ids: torch.Tensor, params: SamplingParams, max_tokens: int) -> SpeculativeRun:
+        """Generate up to ``max_tokens`` tokens after ``prompt_ids [T]``; resets the engine's cache.
+
+        Returns an iterator of :class:`TokenEvent` (one per emitted token) with a ``summary()`` of the
+        acceptance statistics. ``TokenEvent.layers`` is the cycle's sequential decoder-layer passes
+        (draft steps x N + verify depth) divided by the tokens it emitted.
+
+        Raises:
+            InvalidArgumentError: the engine's model has a different number of layers than the mode was built for.
+        """
+        if engine.num_layers != self.num_layers:
+            raise InvalidArgumentError(f"this speculative mode was built for a {self.num_layers}-layer model, "
+                                       f"the engine has {engine.num_layers} layers")
+        return SpeculativeRun(self, engine, prompt_ids, params, max_tokens)
+
+    @torch.inference_mode()
+    def score(self, engine, input_ids: torch.Tensor) -> ScoreOutput:
+        """Teacher-forced logits ``[T, V]``: speculative decoding is lossless, so these are the full
+        model's (computed at full depth; ``layers`` = L for every position)."""
+        return FullDepth().score(engine, input_ids)
+
+
+class SpeculativeRun:
+    """Iterator of :class:`TokenEvent` for one speculative generation; ``summary()`` gives the stats."""
+
+    def __init__(self, mode: SpeculativeDecoding, engine, prompt_ids, params, max_tokens: int):
+        self.mode, self.engine, self.params = mode, engine, params
+        self.stats = SpeculativeStats()
+        self._it = self._run(prompt_ids, max_tokens)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._it)
+
+    def summary(self) -> dict:
+        """``{"speculative": {config..., counters..., rates...}}`` (merged into ``GenerationResult.extra``)."""
+        out = {**self.mode.config(), **self.stats.summary()}
+        if self.mode.calibration is not None:
+            out["calibration"] = self.mode.calibration
+        return {"speculative": out}
+
+    # -- the loop ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _run(self, prompt_ids: torch.Tensor, max_tokens: int) -> Iterator[TokenEvent]:
+        engine, params, st = self.engine, self.params, self.stats
+        gen = None if params.greedy else make_generator(params.seed)
+        engine.reset()
+        t0 = time.perf_counter()
+        out = engine.prefill(prompt_ids.unsqueeze(0))
+        cur = self._pick(out.logits[0, -1], gen)
+        now = time.perf_counter()
+        st.prefill_s = now - t0
+        yield TokenEvent(cur, engine.num_layers, now - t0, {"kind": "prefill"})
+        n = 1
+        while n < max_tokens:
+            room = engine.max_seq_len - engine.position - 1  # positions left after cur's
+            k = min(self.mode.k, max_tokens - n - 1, room)
+            t0 = time.perf_counter()
+            emitted, drafted, layers = self._cycle(cur, max(k, 0), gen)
+            now = time.perf_counter()
+            accepted = len(emitted) - 1
+            for i, tok in enumerate(emitted):
+                kind = "accepted" if i < accepted else ("bonus" if accepted == drafted else "correction")
+                info = {"cycle": st.cycles, "drafted": drafted, "accepted": accepted, "kind": kind}
+                yield TokenEvent(tok, layers / len(emitted), (now - t0) if i == 0 else 0.0, info)
+            n += len(emitted)
+            cur = emitted[-1]
+
+    def _pick(self, logits: torch.Tensor, gen) -> int:
+        """A token from full-model ``logits [V]`` (greedy or filtered sampling)."""
+        if self.params.greedy:
+            return int(logits.argmax())
+        return int(torch.multinomial(probabilities(logits, self.params), 1, generator=gen))
+
+    def _cycle(self, cur: int, k: int, gen) -> tuple[list[int], int, float]:
+        """One draft + verify cycle from ``cur``; returns (emitted tokens, drafted count, layer passes)."""
+        engine, mode, params, st = self.engine, self.mode, self.params, self.stats
+        n_draft, n_layers = mode.draft_layers, engine.num_layers
+        head = mode.exit_head or engine.head
+        start = engine.position
+        # 1. draft: step j feeds x_j (x_0 = cur) at start + j through layers < N
+        t0 = time.perf_counter()
+        drafts: list[int] = []
+        q_probs: list[torch.Tensor] = []
+        hiddens: list[torch.Tensor] = []
+        x = cur
+        steps = 0
+        for j in range(k + 1):
+            if j == k and not mode.reuse:
+                break  # without reuse the verify computes the last draft's lower layers itself
+            h, state = engine.begin(torch.tensor([[x]]))
+            h = engine.run_layers(0, n_draft, h, state)
+            engine.commit(state)
+            steps += 1
+            hiddens.append(h)
+            if j == k:
+                break  # the last draft only needs its layer-N hidden state (for reuse)
+            logits = head(h)[0, -1].float()
+            if mode.threshold > 0 and float(torch.softmax(logits, dim=-1).max()) < mode.threshold:
+                break
+            if params.greedy:
+                x = int(logits.argmax())
+            else:
+                q = probabilities(logits, params)
+                x = int(torch.multinomial(q, 1, generator=gen))
+                q_probs.append(q)
+            drafts.append(x)
+        m = len(drafts)
+        t1 = time.perf_counter()
+        # 2. verify [cur, d1..dm] at full depth (positions start .. start+m)
+        engine.truncate(start)
+        h_in, state = engine.begin(torch.tensor([[cur] + drafts]))
+        if mode.reuse:
+            h = engine.run_layers(n_draft, n_layers, torch.cat(hiddens[: m + 1], dim=1), state)
+        else:
+            h = engine.run_layers(0, n_layers, h_in, state)
+        engine.commit(state)
+        p_logits = engine.head(h)[0]  # [m+1, V]
+        # 3. accept
+        if params.greedy:
+            target = p_logits.argmax(-1).tolist()
+            a = 0
+            while a < m and drafts[a] == target[a]:
+                a += 1
+            last = target[a]
+        else:
+            p = probabilities(p_logits, params)
+            a, last = 0, None
+            while a < m:
+                d = drafts[a]
+                ratio = float(p[a, d]) / float(q_probs[a][d])
+                if ratio >= 1.0 or float(torch.rand((), generator=gen)) < ratio:
+                    a += 1
+                    continue
+                residual = (p[a] - q_probs[a]).clamp_min(0)
+                if float(residual.sum()) <= 0:  # p == q: rejection has probability 0; guard rounding
+                    residual = p[a]
+                last = int(torch.multinomial(residual, 1, generator=gen))
+                break
+            if last is None:
+                last = int(torch.multinomial(p[m], 1, generator=gen))
+        # 4. roll back rejected positions: keep cur and the accepted drafts
+        engine.truncate(start + a + 1)
+        t2 = time.perf_counter()
+        st.cycles += 1
+        st.drafted += m
+        st.accepted += a
+        st.emitted += a + 1
+        st.draft_steps += steps
+        st.draft_s += t1 - t0
+        st.verify_s += t2 - t1
+        layers = steps * n_draft + (n_layers - n_draft if mode.reuse else n_layers)
+        return drafts[:a] + [last], m, float(layers)
+
+
+# -- spec-string factory --------------------------------------------------------------------------
+OPTIONS = ("draft_layers", "k", "threshold", "reuse", "auto")
+
+
+def make_speculative(engine, **opts) -> SpeculativeDecoding:
+    """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1`` -> :class:`SpeculativeDecoding`.
+
+    ``draft_layers``, ``k`` and ``threshold`` accept ``auto``; ``auto=1`` makes every option not
+    given ``auto``. Auto options are chosen by :func:`~laserlm.runtime.speculative_calibration.calibrate`
+    (a few seconds of greedy decoding on WikiText-2 valid / ARC-Easy dev), whose search is kept in
+    ``mode.calibration`` and reported in the generation stats.
+
+    Raises:
+        InvalidArgumentError: unknown option, malformed or out-of-range value, or missing calibration data.
+    """
+    unknown = sorted(set(opts) - set(OPTIONS))
+    if unknown:
+        raise InvalidArgumentError(f"unknown speculative option(s) {', '.join(unknown)}; "
+                                   f"known: {', '.join(OPTIONS)}")
+    if "auto" in opts and _parse_bool("auto", opts.pop("auto")):
+        for key in ("draft_layers", "k", "threshold"):
+            opts.setdefault(key, "auto")
+    auto = {key for key in ("draft_layers", "k", "threshold") if str(opts.get(key, "")).lower() == "auto"}
+    kwargs: dict = {}
+    if "draft_layers" in opts and "draft_layers" not in auto:
+        kwargs["draft_layers"] = _parse_int("draft_layers", opts["draft_layers"])
+    if "k" in opts and "k" not in auto:
+        kwargs["k"] = _parse_int("k", opts["k"])
+    if "threshold" in opts and "threshold" not in auto:
+        kwargs["threshold"] = _parse_float("threshold", opts["threshold"])
+    if "reuse" in opts:
+        kwargs["reuse"] = _parse_bool("reuse", opts["reuse"])
+    mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
+    if auto:
+        from .speculative_calibration import calibrate  # noqa: PLC0415
+
+        fixed = {key: getattr(mode, key) for key in ("draft_layers", "k", "threshold") if key not in auto}
+        report = calibrate(engine, exit_head=mode.exit_head, reuse=mode.reuse, **fixed)
+        best = report["chosen"]
+        mode = SpeculativeDecoding(engine.num_layers, draft_layers=best["draft_layers"], k=best["k"],
+                                   threshold=best["threshold"], reuse=mode.reuse)
+        mode.calibration = report
+    return mode
+
+
+register_mode("speculative", make_speculative)
+
+__all__ = ["SpeculativeDecoding", "SpeculativeRun", "SpeculativeStats", "make_speculative", "ExitHead"]

@@ -1,0 +1,201 @@
+"""Automatic choice of draft depth, draft length and confidence threshold for self-speculative decoding.
+
+Method (a cost model in the spirit of Leviathan et al. 2023, section 3.4, "expected walltime
+improvement", with measured instead of assumed costs):
+
+1. **Text.** A few prompts from *validation* data only (WikiText-2 ``valid.txt`` continuations; an
+   ARC-Easy dev question through the chat template when the tokenizer has one).
+2. **Greedy traces.** Decode ``gen_tokens`` tokens per prompt at full depth, then run one teacher-forced
+   forward over prompt + continuation keeping the hidden state after every candidate draft depth ``N``.
+   Because greedy speculative output *is* the full model's greedy output, the draft at a position
+   sees exactly this prefix whenever it matters (after the last accepted token), so the exit head's
+   argmax ``== `` the next greedy token tells whether that draft would be accepted, and its max
+   probability is the confidence the adaptive draft length would see.
+3. **Costs.** Time one decoder layer on 1 token and on ``m+1`` tokens (the verify), and the exit head,
+   in this engine on this machine (median of a few repeats).
+4. **Simulation.** Replay the speculative cycles on every trace for every ``(N, K, threshold)``:
+   predicted speed-up = (emitted tokens x full-depth cost per token) / (draft + verify cost).
+
+The search table is returned (and reported in the generation stats under ``calibration``). The
+prediction assumes greedy acceptance; sampling acceptance is usually higher (partial agreement counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import InvalidArgumentError
+
+DATA_DIR = Path(os.environ.get("LASERLM_DATA", "/work/shared/data"))
+THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9)
+KS = (1, 2, 3, 4, 6, 8)
+
+
+def calibration_prompts(tokenizer, n_text: int = 3, prompt_tokens: int = 48) -> list[list[int]]:
+    """Prompt token ids from validation splits: WikiText-2 valid paragraphs (cut to ``prompt_tokens``)
+    and, if the tokenizer has a chat template, one ARC-Easy dev question as a chat prompt.
+
+    Raises:
+        InvalidArgumentError: no calibration data under ``$LASERLM_DATA`` (default /work/shared/data).
+    """
+    wiki = DATA_DIR / "wikitext-2" / "valid.txt"
+    if not wiki.is_file():
+        raise InvalidArgumentError(f"auto calibration needs WikiText-2 valid text at {wiki} "
+                                   "(set LASERLM_DATA) or give draft_layers/k/threshold explicitly")
+    paragraphs = [line.strip() for line in wiki.read_text(encoding="utf-8").splitlines()
+                  if len(line.split()) > 80 and not line.strip().startswith("=")]
+    step = max(1, len(paragraphs) // n_text)
+    prompts = [tokenizer(p)["input_ids"][:prompt_tokens] for p in paragraphs[::step][:n_text]]
+    arc = DATA_DIR / "arc" / "ARC-Easy-Dev.jsonl"
+    if getattr(tokenizer, "chat_template", None) and arc.is_file():
+        q = json.loads(arc.read_text(encoding="utf-8").splitlines()[0])["question"]
+        text = q["stem"] + "\n" + "\n".join(f"{c['label']}. {c['text']}" for c in q["choices"])
+        msgs = [{"role": "user", "content": text + "\nExplain your answer."}]
+        chat = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        prompts.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    return [list(p) for p in prompts]
+
+
+@torch.inference_mode()
+def greedy_traces(engine, prompts, gen_tokens: int, depths, exit_head) -> list[dict]:
+    """Per prompt: ``agree [len(depths), G]`` (bool) and ``conf [len(depths), G]`` of the exit head
+    after each candidate depth on the full model's own greedy continuation of ``G`` tokens."""
+    head = exit_head or engine.head
+    traces = []
+    for ids in prompts:
+        engine.reset()
+        out = engine.prefill(torch.tensor([ids]))
+        toks = [int(out.logits[0, -1].argmax())]
+        for _ in range(gen_tokens - 1):
+            toks.append(int(engine.decode_step(torch.tensor([toks[-1]])).logits[0, -1].argmax()))
+        engine.reset()
+        seq = torch.tensor([ids + toks])
+        h, state = engine.begin(seq, use_cache=False)
+        p0 = len(ids) - 1  # position whose prediction is the first generated token
+        agree, conf, prev = [], [], 0
+        for d in depths:
+            h = engine.run_layers(prev, d, h, state)
+            prev = d
+            logits = head(h[:, p0:p0 + gen_tokens]).float()[0]
+            agree.append(logits.argmax(-1) == torch.tensor(toks))
+            conf.append(torch.softmax(logits, -1).amax(-1))
+        traces.append({"agree": torch.stack(agree), "conf": torch.stack(conf)})
+    engine.reset()
+    return traces
+
+
+@torch.inference_mode()
+def measure_costs(engine, max_verify: int, exit_head, repeats: int = 3) -> dict:
+    """Seconds of one decoder layer on ``t`` tokens (``layer[t]`` for t = 1..max_verify) and of the exit
+    head on one token, measured on a 64-token context (minimum of ``repeats``: the least-disturbed run on a shared machine)."""
+    head = exit_head or engine.head
+    engine.reset()
+    engine.prefill(torch.zeros(1, 64, dtype=torch.long))
+    layer, L = {}, engine.num_layers
+    for t in range(1, max_verify + 1):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            h, state = engine.begin(torch.zeros(1, t, dtype=torch.long))
+            engine.run_layers(0, L, h, state)
+            times.append(time.perf_counter() - t0)
+            engine.truncate(64)
+        layer[t] = min(times) / L
+    h = torch.zeros(1, 1, engine.config.hidden_size, dtype=engine.dtype)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        head(h)
+        times.append(time.perf_counter() - t0)
+    engine.reset()
+    return {"layer_s": layer, "head_s": min(times)}
+
+
+def simulate(agree, conf, n_draft: int, n_layers: int, k: int, threshold: float, costs: dict,
+             reuse: bool = True) -> dict:
+    """Replay greedy speculative cycles over one trace (``agree``/``conf`` ``[G]`` at depth ``n_draft``);
+    returns emitted tokens, drafted, accepted, cycles and modelled seconds."""
+    layer, head_s = costs["layer_s"], costs["head_s"]
+    g = agree.shape[0]
+    t = 0
+    out = {"emitted": 0, "drafted": 0, "accepted": 0, "cycles": 0, "seconds": 0.0}
+    agree, conf = agree.tolist(), conf.tolist()
+    while t < g:
+        m = 0
+        while m < k and t + m < g - 1 and conf[t + m] >= threshold:
+            m += 1
+        a = 0
+        while a < m and agree[t + a]:
+            a += 1
+        heads = m + (1 if m < k else 0)  # the step that stopped on low confidence also ran the head
+        steps = m + 1 if reuse else max(m, heads)
+        verify_layers = n_layers - n_draft if reuse else n_layers
+        out["seconds"] += steps * n_draft * layer[1] + heads * head_s + verify_layers * layer[m + 1] + head_s
+        out["emitted"] += a + 1
+        out["drafted"] += m
+        out["accepted"] += a
+        out["cycles"] += 1
+        t += a + 1
+    return out
+
+
+def calibrate(engine, exit_head=None, reuse: bool = True, draft_layers: int | None = None, k: int | None = None,
+              threshold: float | None = None, gen_tokens: int = 40, n_text: int = 3) -> dict:
+    """Search draft depth / K / threshold (those not fixed) by simulated speed-up; see module docstring.
+
+    Returns ``{"chosen": {...}, "search": [rows best first, at most 12], "costs": {...}, "seconds": s,
+    "data": ..., "tokens": n}``; every row has ``draft_layers, k, threshold, acceptance_rate,
+    mean_accepted_length, predicted_speedup``.
+    """
+    t_start = time.perf_counter()
+    n_layers = engine.num_layers
+    tok = engine.tokenizer
+    if tok is None:
+        raise InvalidArgumentError("auto calibration needs the model's tokenizer (load the model with laserlm.load)")
+    depths = [draft_layers] if draft_layers else sorted(set(range(2, n_layers - 1, max(1, n_layers // 10)))
+                                                         | {max(1, n_layers - 2)})
+    ks = [k] if k else list(KS)
+    thresholds = [threshold] if threshold is not None else list(THRESHOLDS)
+    prompts = calibration_prompts(tok, n_text=n_text)
+    traces = greedy_traces(engine, prompts, gen_tokens, depths, exit_head)
+    costs = measure_costs(engine, max(ks) + 1, exit_head)
+    full_cost = n_layers * costs["layer_s"][1] + costs["head_s"]
+    rows = []
+    for di, d in enumerate(depths):
+        for kk in ks:
+            for thr in thresholds:
+                tot = {"emitted": 0, "drafted": 0, "accepted": 0, "cycles": 0, "seconds": 0.0}
+                for tr in traces:
+                    r = simulate(tr["agree"][di], tr["conf"][di], d, n_layers, kk, thr, costs, reuse)
+                    for key in tot:
+                        tot[key] += r[key]
+                rows.append({"draft_layers": d, "k": kk, "threshold": thr,
+                             "acceptance_rate": round(tot["accepted"] / max(tot["drafted"], 1), 3),
+                             "mean_accepted_length": round(tot["emitted"] / max(tot["cycles"], 1), 3),
+                             "predicted_speedup": round(tot["emitted"] * full_cost / tot["seconds"], 3)})
+    rows.sort(key=lambda r: -r["predicted_speedup"])
+    top1 = [float(tr["agree"][di].float().mean()) for di in range(len(depths)) for tr in traces]
+    best = rows[0]
+    note = ("predicted to beat full depth" if best["predicted_speedup"] > 1 else
+            "no setting is predicted to beat full depth on this model/machine (the draft's top-1 agreement "
+            "with the full model is too low for its cost); the least-slow setting is used")
+    return {
+        "chosen": best,
+        "note": note,
+        "search": rows[:12],
+        "searched": len(rows),
+        "top1_agreement_by_depth": {d: round(sum(top1[i * len(traces):(i + 1) * len(traces)]) / len(traces), 3)
+                                    for i, d in enumerate(depths)},
+        "costs": {"layer_1tok_ms": round(costs["layer_s"][1] * 1e3, 3),
+                  "layer_ms_by_tokens": {t: round(v * 1e3, 3) for t, v in costs["layer_s"].items()},
+                  "exit_head_ms": round(costs["head_s"] * 1e3, 3)},
+        "data": "wikitext-2 valid" + (" + arc-easy dev (chat)" if len(prompts) > n_text else ""),
+        "tokens": len(prompts) * gen_tokens,
+        "seconds": round(time.perf_counter() - t_start, 2),
+    }

@@ -1,0 +1,157 @@
+"""``laserlm calibrate``: train exit heads, gates and the router on a frozen model and calibrate the exit
+threshold to a quality target; writes one safetensors artifact (see :mod:`laserlm.training.artifact`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import InvalidArgumentError
+
+EPILOG = """\
+defaults and sources:
+  head stage     Adam LR 1e-3, 250 steps of 256 positions (DESIGN.md tuned-lens anchor; Belrose et al. 2023)
+  gate stage     AdamW LR 1e-2, 400 steps, focal loss gamma 2 (Lin et al. 2017; seed 004)
+  joint stage    off by default; LR 3e-5 with linear warm-up, clip 1.0, exit-threshold decay 0.95/epoch (seed 004)
+  min depth      a quarter of the layers (seed); groups of 5 layers (seed: micro-layer groups)
+  thresholds     Learn-then-Test fixed-sequence testing, exact binomial p-values (CALM-style)
+
+example:
+  laserlm calibrate -m smollm2-135m --target-agreement 0.99 --delta 0.1 -o smol.laser.safetensors
+  laserlm generate "The capital of France is" --laser smol.laser.safetensors
+      (= --mode adaptive:laser=smol.laser.safetensors,patience=0; add bridge=deferred for the exact
+      setting the guarantee was calibrated for, bridge=propagate (default) to save FLOPs)
+
+on a CPU shared with other jobs, --threads 1 can be several times faster than oversubscribed threads.
+"""
+
+
+def _probability(name):
+    def parse(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not 0 < v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1), got {v}")
+        return v
+    return parse
+
+
+def _positive(kind, name, allow_zero=False):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a{'n integer' if kind is int else ' number'}, "
+                                             f"got {text!r}") from None
+        if v < 0 or (v == 0 and not allow_zero) or v != v:
+            raise argparse.ArgumentTypeError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {text}")
+        return v
+    return parse
+
+
+def add_parser(subparsers) -> None:
+    from ..cli import add_model_args  # noqa: PLC0415
+
+    p = subparsers.add_parser(
+        "calibrate", help="train exit heads/gates/router and calibrate exit thresholds to a quality target",
+        description="Train exit heads (tuned-lens adapters), exit gates and the router on the frozen model, "
+                    "then choose the exit threshold so that the quality target holds with probability >= 1-delta.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--output", "-o", required=True, help="artifact path (.safetensors); a .json report is written next to it")
+    tgt = p.add_mutually_exclusive_group()
+    tgt.add_argument("--target-agreement", type=_probability("--target-agreement"), default=None,
+                     help="minimum top-1 agreement with the full model (default 0.99)")
+    tgt.add_argument("--max-ppl-increase", type=_positive(float, "--max-ppl-increase"), default=None,
+                     help="maximum relative perplexity increase, e.g. 0.05 (asymptotic CLT guarantee)")
+    p.add_argument("--delta", type=_probability("--delta"), default=0.1,
+                   help="the target holds with probability >= 1 - delta (default: %(default)s)")
+    p.add_argument("--p-value", choices=["binomial", "hoeffding_bentkus", "clt"], default=None,
+                   help="p-value of the fixed-sequence test (default: binomial for agreement, clt for perplexity)")
+    p.add_argument("--data", default=None, help="text file of valid/dev text (default: WikiText-2 valid)")
+    p.add_argument("--groups", default=None, help="layer groups: size '5', ends '8/16/30' or ranges (default: 5)")
+    p.add_argument("--min-depth", type=_positive(int, "--min-depth", True), default=None,
+                   help="earliest exit in layers (default: a quarter of the layers)")
+    p.add_argument("--seq-len", type=_positive(int, "--seq-len"), default=256, help="positions per chunk (default: 256)")
+    for split, default in (("train", 8192), ("gate", 4096), ("calib", 8192), ("eval", 4096)):
+        p.add_argument(f"--{split}-tokens", type=_positive(int, f"--{split}-tokens"), default=default,
+                       help=f"positions in the {split} split (default: {default})")
+    p.add_argument("--adapter", choices=["affine", "lowrank", "none"], default="affine",
+                   help="exit-head adapter (default: affine tuned lens)")
+    p.add_argument("--rank", type=_positive(int, "--rank"), default=16, help="low-rank adapter rank (default: 16)")
+    p.add_argument("--no-ats", action="store_true", help="train gates without the attention transition score")
+    p.add_argument("--head-steps", type=_positive(int, "--head-steps", True), default=250,
+                   help="exit-head training steps (default: %(default)s)")
+    p.add_argument("--head-lr", type=_positive(float, "--head-lr"), default=1e-3,
+                   help="exit-head Adam learning rate (default: %(default)s; backbone frozen)")
+    p.add_argument("--batch-tokens", type=_positive(int, "--batch-tokens"), default=256,
+                   help="positions per head-training step (default: %(default)s)")
+    p.add_argument("--gate-steps", type=_positive(int, "--gate-steps", True), default=400,
+                   help="gate training steps per exit point (default: %(default)s)")
+    p.add_argument("--joint-epochs", type=_positive(int, "--joint-epochs", True), default=0,
+                   help="optional joint heads+gates stage (default: 0 = off)")
+    p.add_argument("--joint-lr", type=_positive(float, "--joint-lr"), default=3e-5,
+                   help="joint-stage learning rate (default: %(default)s, seed 004)")
+    p.add_argument("--warmup-steps", type=_positive(int, "--warmup-steps", True), default=20,
+                   help="joint-stage linear warm-up steps (default: %(default)s)")
+    p.add_argument("--grad-clip", type=_positive(float, "--grad-clip"), default=1.0,
+                   help="gradient-norm clipping (default: %(default)s, seed 004)")
+    p.add_argument("--threshold-decay", type=_probability("--threshold-decay"), default=0.95,
+                   help="joint-stage exit-threshold decay per epoch (default: %(default)s, seed 004)")
+    p.add_argument("--router-prompts", type=_positive(int, "--router-prompts", True), default=48,
+                   help="prompts for router labels (0 = no router; default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--resume", action="store_true", help="reuse finished stages from the work directory")
+    p.add_argument("--work-dir", default=None,
+                   help="checkpoint directory (default: <output>.work); with --resume, another target reuses "
+                        "the trained modules")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def config_from_args(args):
+    from .gates import GateTrainConfig  # noqa: PLC0415
+    from .pipeline import CalibrateConfig  # noqa: PLC0415
+    from .train import HeadTrainConfig, JointTrainConfig  # noqa: PLC0415
+
+    target = args.target_agreement
+    if target is None and args.max_ppl_increase is None:
+        target = 0.99
+    return CalibrateConfig(
+        data=args.data, groups=args.groups, min_depth=args.min_depth, seq_len=args.seq_len,
+        train_tokens=args.train_tokens, gate_tokens=args.gate_tokens, calib_tokens=args.calib_tokens,
+        eval_tokens=args.eval_tokens, adapter=args.adapter, rank=args.rank, use_ats=not args.no_ats,
+        heads=HeadTrainConfig(steps=args.head_steps, batch_tokens=args.batch_tokens, lr=args.head_lr,
+                              grad_clip=args.grad_clip, seed=args.seed),
+        gates=GateTrainConfig(steps=args.gate_steps, seed=args.seed),
+        joint=JointTrainConfig(epochs=args.joint_epochs, lr=args.joint_lr, warmup_steps=args.warmup_steps,
+                               grad_clip=args.grad_clip, threshold_decay=args.threshold_decay, seed=args.seed),
+        router_prompts=args.router_prompts, target_agreement=target, max_ppl_increase=args.max_ppl_increase,
+        delta=args.delta, p_value=args.p_value,
+    ).validate()
+
+
+def cmd_calibrate(args) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from ..cli import load_from_args  # noqa: PLC0415
+    from .pipeline import calibrate, format_summary  # noqa: PLC0415
+
+    cfg = config_from_args(args)  # fail before the model loads
+    if cfg.max_ppl_increase is not None and args.p_value not in (None, "clt"):
+        raise InvalidArgumentError("--max-ppl-increase supports only --p-value clt (the NLL is unbounded)")
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise InvalidArgumentError(f"output directory does not exist: {out.parent}")
+    lm = load_from_args(args)
+    summary = calibrate(lm, cfg, out, resume=args.resume, progress=not args.quiet, work_dir=args.work_dir)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_summary(summary))
+        print(f"wrote {out} (report: {out.with_suffix('.json')})", file=sys.stderr)
+    return 0

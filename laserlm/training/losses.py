@@ -1,0 +1,79 @@
+"""Training losses for exit heads, exit gates and the router.
+
+- :func:`focal_loss` / :func:`binary_focal_loss`: Lin et al., "Focal Loss for Dense Object Detection"
+  (ICCV 2017), ``FL(p_t) = -alpha_t (1 - p_t)^gamma log p_t``; seed 004 uses it for gates and the
+  router because most tokens are easy (the exit is either clearly right or clearly wrong).
+  ``gamma = 0`` and no ``alpha`` is exactly cross-entropy.
+- :func:`kl_distillation`: ``KL(p_full || p_exit)`` of next-token distributions, the tuned-lens
+  objective (Belrose et al., "Eliciting Latent Predictions from Transformers with the Tuned Lens",
+  2023) and the usual self-distillation loss of early-exit heads (LayerSkip, EE-LLM).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def focal_loss(logits: torch.Tensor, target: torch.Tensor, gamma: float = 2.0,
+               alpha: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Multi-class focal loss.
+
+    Args:
+        logits: ``[N, C]`` unnormalised class scores.
+        target: ``[N]`` int64 class indices.
+        gamma: focusing parameter (>= 0); 0 gives cross-entropy.
+        alpha: optional ``[C]`` class weights (``alpha_t`` in the paper).
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (``[N]``).
+    """
+    logp = F.log_softmax(logits.float(), dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    loss = -((1.0 - logp.exp()).clamp_min(0.0) ** gamma) * logp if gamma else -logp
+    if alpha is not None:
+        loss = loss * alpha.to(loss.dtype)[target]
+    return _reduce(loss, reduction)
+
+
+def binary_focal_loss(logit: torch.Tensor, target: torch.Tensor, gamma: float = 2.0,
+                      alpha: float | None = None, reduction: str = "mean") -> torch.Tensor:
+    """Binary focal loss on logits.
+
+    Args:
+        logit: ``[N]`` scores; ``sigmoid(logit)`` is the probability of class 1.
+        target: ``[N]`` in {0, 1} (float or bool).
+        gamma: focusing parameter; 0 gives binary cross-entropy.
+        alpha: optional weight of class 1 (class 0 gets ``1 - alpha``).
+    """
+    target = target.to(logit.dtype)
+    logp1 = F.logsigmoid(logit)
+    logp0 = F.logsigmoid(-logit)
+    logpt = target * logp1 + (1 - target) * logp0
+    loss = -((1.0 - logpt.exp()).clamp_min(0.0) ** gamma) * logpt if gamma else -logpt
+    if alpha is not None:
+        loss = loss * (target * alpha + (1 - target) * (1 - alpha))
+    return _reduce(loss, reduction)
+
+
+def kl_distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
+                    temperature: float = 1.0, reduction: str = "mean") -> torch.Tensor:
+    """``KL(softmax(teacher / T) || softmax(student / T))`` per row, in nats.
+
+    Args:
+        student_logits: ``[N, V]`` exit-head logits.
+        teacher_logits: ``[N, V]`` full-model logits (no gradient needed).
+        temperature: softening temperature ``T`` (the loss is scaled by ``T^2`` as in Hinton et al. 2015).
+        reduction: ``"mean"`` over rows, ``"sum"`` or ``"none"`` (``[N]``).
+    """
+    s = F.log_softmax(student_logits.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
+    kl = (t.exp() * (t - s)).sum(-1) * temperature ** 2
+    return _reduce(kl, reduction)
+
+
+def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "mean":
+        return loss.mean()
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "none":
+        return loss
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")

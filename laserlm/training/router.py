@@ -1,0 +1,136 @@
+"""Seed 004's DynamicRouter: a sequence-level route (how many layer groups) for a whole request.
+
+After the first decoder layer, a linear classifier on the mean-pooled hidden state of the prompt picks
+a route ``r``: the request runs the first ``r`` exit points' worth of layers and reads every token
+from the exit head there (``r = E``: full depth). Labels: the shallowest route whose teacher-forced
+greedy predictions over the full model's own greedy continuation of the prompt all match it, i.e.
+the route that reproduces the full model's greedy continuation exactly (checking the teacher-forced
+argmax at each continuation position is equivalent to re-generating, by induction on the tokens).
+Trained with the focal loss (seed 004).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..errors import InvalidArgumentError
+from .losses import focal_loss
+
+ROUTER_LAYER = 1  # pooled hidden state after the first decoder layer (seed 004)
+
+
+class DynamicRouter(nn.Module):
+    """Linear classifier ``[B, d] -> [B, E + 1]`` route logits over standardised pooled hidden states.
+
+    Args:
+        hidden_size: ``d``.
+        exit_points: the E exit points (route ``r < E`` exits at ``exit_points[r]``; ``E`` is full depth).
+    """
+
+    def __init__(self, hidden_size: int, exit_points: list[int]):
+        super().__init__()
+        self.exit_points = list(exit_points)
+        self.register_buffer("mean", torch.zeros(hidden_size))
+        self.register_buffer("std", torch.ones(hidden_size))
+        self.linear = nn.Linear(hidden_size, len(exit_points) + 1)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.linear((pooled.float() - self.mean) / self.std)
+
+    @torch.no_grad()
+    def route(self, engine, prompt_ids: torch.Tensor) -> int:
+        """Number of decoder layers to run for this request (an exit point, or ``num_layers``)."""
+        r = int(self(pooled_first_layer(engine, prompt_ids).unsqueeze(0)).argmax(-1))
+        return self.exit_points[r] if r < len(self.exit_points) else engine.num_layers
+
+
+@torch.inference_mode()
+def pooled_first_layer(engine, prompt_ids: torch.Tensor) -> torch.Tensor:
+    """``[d]`` mean over prompt positions of the hidden state after decoder layer 0 (no cache)."""
+    h, state = engine.begin(prompt_ids.reshape(1, -1), use_cache=False)
+    h = engine.run_layers(0, ROUTER_LAYER, h, state)
+    return h[0].float().mean(0)
+
+
+@torch.inference_mode()
+def greedy_continuation(engine, prompt_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n]`` full-depth greedy tokens after ``prompt_ids [T]`` (uses and resets the engine's cache)."""
+    engine.reset()
+    logits = engine.prefill(prompt_ids.reshape(1, -1)).logits
+    out = []
+    for _ in range(n):
+        tok = logits[0, -1].argmax()
+        out.append(int(tok))
+        logits = engine.decode_step(tok.reshape(1)).logits
+    engine.reset()
+    return torch.tensor(out, dtype=torch.long)
+
+
+@torch.inference_mode()
+def route_label(engine, heads: dict, prompt_ids: torch.Tensor, continuation: torch.Tensor,
+                exit_points: list[int]) -> int:
+    """Shallowest route index whose exit head reproduces ``continuation`` greedily (``E`` = full depth).
+
+    ``heads``: ``exit_point -> fn(hidden [.., d]) -> logits`` (the trained exit heads).
+    """
+    seq = torch.cat([prompt_ids, continuation[:-1]]).reshape(1, -1)
+    p, m = prompt_ids.shape[0], continuation.shape[0]
+    h, state = engine.begin(seq, use_cache=False)
+    start = 0
+    for r, e in enumerate(exit_points):
+        h = engine.run_layers(start, e, h, state)
+        start = e
+        pred = heads[e](h[0, p - 1: p - 1 + m]).argmax(-1)
+        if torch.equal(pred, continuation):
+            return r
+    return len(exit_points)
+
+
+@dataclass
+class RouterData:
+    """``pooled [P, d]`` first-layer pooled states and ``labels [P]`` route indices of P prompts."""
+
+    pooled: torch.Tensor
+    labels: torch.Tensor
+
+
+def collect_router_data(engine, heads: dict, token_ids: torch.Tensor, exit_points: list[int],
+                        num_prompts: int = 64, prompt_len: int = 64, continuation: int = 8,
+                        progress: bool = True) -> RouterData:
+    """Cut ``num_prompts`` prompts of ``prompt_len`` tokens from ``token_ids`` and label their routes.
+
+    Raises:
+        InvalidArgumentError: not enough tokens for the requested prompts.
+    """
+    if num_prompts < 1 or prompt_len < 1 or continuation < 1:
+        raise InvalidArgumentError("router prompts, prompt length and continuation must be >= 1")
+    if token_ids.shape[0] < num_prompts * prompt_len:
+        raise InvalidArgumentError(f"router needs {num_prompts * prompt_len} tokens of text, got {token_ids.shape[0]}")
+    pooled, labels = [], []
+    for i in tqdm(range(num_prompts), desc="router labels", unit="prompt", disable=not progress):
+        prompt = token_ids[i * prompt_len: (i + 1) * prompt_len]
+        cont = greedy_continuation(engine, prompt, continuation)
+        labels.append(route_label(engine, heads, prompt, cont, exit_points))
+        pooled.append(pooled_first_layer(engine, prompt))
+    return RouterData(torch.stack(pooled), torch.tensor(labels, dtype=torch.long))
+
+
+def train_router(router: DynamicRouter, data: RouterData, steps: int = 200, lr: float = 1e-2,
+                 gamma: float = 2.0, weight_decay: float = 1e-3, seed: int = 0) -> list[float]:
+    """Full-batch AdamW on the focal loss (seed 004); features standardised with the data's statistics."""
+    torch.manual_seed(seed)
+    router.mean.copy_(data.pooled.mean(0))
+    router.std.copy_(data.pooled.std(0).clamp_min(1e-4) if data.pooled.shape[0] > 1 else torch.ones_like(router.std))
+    opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=weight_decay)
+    losses = []
+    for _ in range(steps):
+        loss = focal_loss(router(data.pooled), data.labels, gamma=gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses

@@ -1,0 +1,92 @@
+"""laserlm bench: a tiny real run produces the table, JSON and PNG; statistics and errors."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+import torch
+
+import laserlm.bench.cli as bench_cli
+from laserlm.bench.measure import mean_std, percentile
+from laserlm.bench.report import plot, quality_metric
+from laserlm.cli import main
+from laserlm.errors import InvalidArgumentError
+from laserlm.runtime.modes import FullDepth, register_mode
+
+
+class _Broken(FullDepth):
+    name = "test_bench_broken"
+
+    def tokens(self, engine, prompt_ids, params, max_tokens):
+        raise RuntimeError("kernel not built for this CPU")
+
+
+register_mode("test_bench_broken", lambda engine, **o: _Broken())
+
+
+def test_tiny_bench_run_writes_table_json_png(smol, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_cli, "load_from_args", lambda args: smol)
+    js, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert main(["bench", "--reps", "2", "--warmup", "0", "-p", "8", "-n", "3", "--json", str(js),
+                 "--plot", str(png), "--no-progress", "--no-llamacpp"]) == 0
+    out = capsys.readouterr().out
+    assert "| full |" in out and "| transformers generate (sdpa) |" in out and "pp8 t/s" in out
+    doc = json.loads(js.read_text())
+    rows = {r["config"]: r for r in doc["rows"]}
+    full, hf = rows["full"], rows["transformers generate (sdpa)"]
+    raw = doc["raw"]["full"]
+    assert len(raw["pp"]) == 2 and len(raw["tg"]) == 2 and len(raw["ttft"]) == 2 and len(raw["itl"]) == 2 * 2
+    assert full["pp8"] == pytest.approx(statistics.fmean(raw["pp"])) and full["tg3"] > 0 and hf["tg3"] > 0
+    assert full["itl_p99_ms"] >= full["itl_p50_ms"] > 0
+    assert full["layers_per_token"] == smol.engine.num_layers
+    e = smol.engine
+    a = e.adapter
+    per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4  # K and V, float32
+    assert full["kv_alloc_mib"] * 2**20 == pytest.approx(per_token * e.max_seq_len)
+    gen_len = doc["raw"]["full"]["kv_used_bytes"] // per_token
+    # transformers' dynamic cache holds the prompt and all generated tokens but the last one
+    assert hf["kv_used_mib"] * 2**20 == pytest.approx(per_token * (gen_len - 1))
+    assert full["peak_rss_mib"] > 100
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_statistics_helpers():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert mean_std(xs) == (statistics.fmean(xs), statistics.stdev(xs))
+    assert percentile(xs, 50) == 3.0 and percentile(xs, 99) == 5.0 and percentile(xs, 0) == 1.0
+    t = torch.arange(1, 101, dtype=torch.float64).tolist()
+    assert percentile(t, 99) == 99.0 and percentile(t, 50) == 50.0
+
+
+def test_quality_vs_speed_plot(tmp_path):
+    rows = [{"config": c, "tg_tokens_per_s": v, "tg_std": 0.1, "pp_tokens_per_s": 10 * v, "pp_std": 1.0}
+            for c, v in (("full", 20.0), ("adaptive:x=1", 30.0))]
+    doc = {"results": {"wikitext": {"full": {"perplexity": 20.0}, "adaptive:x=1": {"perplexity": 24.0}}}}
+    assert quality_metric(doc)[1] == {"full": 20.0, "adaptive:x=1": 24.0}
+    plot(rows, str(tmp_path / "q.png"), "t", 512, 128, quality=doc)
+    plot(rows, str(tmp_path / "bars.png"), "t", 512, 128)
+    assert (tmp_path / "q.png").stat().st_size > 1000 and (tmp_path / "bars.png").stat().st_size > 1000
+    with pytest.raises(InvalidArgumentError, match="not a `laserlm eval --json` document"):
+        quality_metric({"rows": []})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--tests", "pp,foo"], "unknown test(s) foo"),
+    (["--n-gen", "1"], "--n-gen must be >= 2"),
+    (["--configs", "full;nosuch:a=1,b=2"], "unknown mode 'nosuch'"),
+    (["--quality", "/nonexistent.json"], "cannot read --quality file"),
+])
+def test_bench_bad_input(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("laserlm: error:") and message in err and "\n" not in err
+
+
+def test_bench_unrunnable_configuration(smol, monkeypatch, capsys):
+    monkeypatch.setattr(bench_cli, "load_from_args", lambda args: smol)
+    assert main(["bench", "--config", "test_bench_broken", "--reps", "1", "-p", "4", "-n", "2", "--no-hf"]) == 2
+    err = capsys.readouterr().err
+    assert "configuration 'test_bench_broken' cannot run on this model: RuntimeError: kernel not built" in err

@@ -1,0 +1,424 @@
+"""Tests of `laserlm calibrate` (laserlm.training): losses, exit-head training on the real model,
+threshold calibration and its bound, gate features, the artifact and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from laserlm.errors import CorruptModelError, InvalidArgumentError
+from laserlm.training.losses import binary_focal_loss, focal_loss, kl_distillation
+from laserlm.training.thresholds import (binom_cdf, binomial_p_value, calibrate_threshold, exit_decisions,
+                                         position_losses)
+
+
+# -- losses ------------------------------------------------------------------------------------------
+def test_focal_loss_gamma0_is_cross_entropy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(50, 7, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 7, (50,), generator=g)
+    torch.testing.assert_close(focal_loss(logits, target, gamma=0).double(),
+                               torch.nn.functional.cross_entropy(logits, target), rtol=1e-6, atol=1e-7)
+    z = torch.randn(40, generator=g, dtype=torch.float64)
+    y = (torch.rand(40, generator=g) > 0.5).double()
+    torch.testing.assert_close(binary_focal_loss(z, y, gamma=0),
+                               torch.nn.functional.binary_cross_entropy_with_logits(z, y))
+
+
+def test_focal_loss_gamma2_matches_hand_computation():
+    logits = [[2.0, -1.0, 0.5], [0.1, 0.2, 3.0], [-2.0, 1.0, 1.5]]
+    target = [0, 1, 2]
+    expect = []
+    for row, t in zip(logits, target):  # plain-Python float64 reference
+        z = [math.exp(v) for v in row]
+        p = z[t] / sum(z)
+        expect.append(-((1 - p) ** 2) * math.log(p))
+    got = focal_loss(torch.tensor(logits, dtype=torch.float64), torch.tensor(target), gamma=2.0, reduction="none")
+    torch.testing.assert_close(got.double(), torch.tensor(expect, dtype=torch.float64), rtol=1e-6, atol=1e-8)
+    # binary, with alpha
+    zs, ys, alpha = [1.5, -0.3, 0.0, -4.0], [1, 0, 1, 1], 0.25
+    exp_b = []
+    for z, y in zip(zs, ys):
+        p1 = 1 / (1 + math.exp(-z))
+        pt = p1 if y else 1 - p1
+        exp_b.append(-(alpha if y else 1 - alpha) * (1 - pt) ** 2 * math.log(pt))
+    got_b = binary_focal_loss(torch.tensor(zs, dtype=torch.float64), torch.tensor(ys), gamma=2.0, alpha=alpha,
+                              reduction="none")
+    torch.testing.assert_close(got_b, torch.tensor(exp_b, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+
+
+def test_kl_distillation_matches_direct_sum():
+    g = torch.Generator().manual_seed(1)
+    s, t = torch.randn(4, 9, generator=g, dtype=torch.float64), torch.randn(4, 9, generator=g, dtype=torch.float64)
+    p, q = torch.softmax(t, -1), torch.softmax(s, -1)
+    torch.testing.assert_close(kl_distillation(s, t, reduction="none").double(), (p * (p / q).log()).sum(-1),
+                               rtol=1e-5, atol=1e-7)
+    assert float(kl_distillation(t, t)) == pytest.approx(0.0, abs=1e-6)
+
+
+# -- threshold calibration ---------------------------------------------------------------------------
+def _exact_binom_cdf(k, n, p):
+    p = Fraction(p)
+    return float(sum(math.comb(n, i) * p ** i * (1 - p) ** (n - i) for i in range(k + 1)))
+
+
+@pytest.mark.parametrize("k,n,p", [(0, 10, 0.1), (3, 50, 0.05), (12, 400, 0.01), (40, 1000, 0.05), (7, 7, 0.3)])
+def test_binomial_bound_matches_direct_computation(k, n, p):
+    assert binom_cdf(k, n, p) == pytest.approx(_exact_binom_cdf(k, n, p), rel=1e-9, abs=1e-300)
+    assert binomial_p_value(k, n, p) == pytest.approx(_exact_binom_cdf(k, n, p), rel=1e-9, abs=1e-300)
+
+
+def test_calibrated_threshold_meets_target_and_is_the_loosest_certified():
+    g = torch.Generator().manual_seed(0)
+    e, n = 3, 1500
+    probs = torch.rand(e, n, generator=g)
+    # exits agree more often when the gate is confident
+    agree = torch.rand(e, n, generator=g) < (0.6 + 0.4 * probs)
+    cands = [1.0] + torch.linspace(0.99, 0.0, 100).tolist()
+    target, delta = 0.97, 0.1
+    cal = calibrate_threshold(probs, agree, target_agreement=target, delta=delta, candidates=cands)
+    assert cal.threshold is not None and cal.threshold < 1.0
+    # the chosen threshold meets the target on the calibration split
+    dec = exit_decisions(probs, cal.threshold)
+    losses = position_losses(dec, agree)
+    assert 1 - float(losses.mean()) >= target
+    assert float(losses.mean()) == pytest.approx(cal.risk)
+    # fixed sequence: every candidate up to the chosen one has p <= delta, the next one does not
+    k = cands.index(cal.threshold)
+    assert k > 0
+    for lam in cands[: k + 1]:
+        lo = position_losses(exit_decisions(probs, lam), agree)
+        assert binom_cdf(int(lo.sum()), n, 1 - target) <= delta
+    lo = position_losses(exit_decisions(probs, cands[k]), agree)
+    assert _exact_binom_cdf(int(lo.sum()), n, 1 - target) <= delta
+    nxt = position_losses(exit_decisions(probs, cands[k + 1]), agree)
+    assert _exact_binom_cdf(int(nxt.sum()), n, 1 - target) > delta
+    assert "with probability >= 0.9" in cal.guarantee
+
+
+def test_exit_decisions_first_exit_above_threshold():
+    probs = torch.tensor([[0.2, 0.95, 0.5], [0.9, 0.1, 0.5], [0.1, 0.1, 0.5]])
+    assert exit_decisions(probs, 0.8).tolist() == [1, 0, 3]
+    assert exit_decisions(probs, 0.5).tolist() == [1, 0, 3]  # strict '>' like GatePolicy
+    assert exit_decisions(probs, None).tolist() == [3, 3, 3]
+
+
+def test_no_certifiable_threshold_means_never_exit():
+    probs = torch.rand(2, 200, generator=torch.Generator().manual_seed(3))
+    agree = torch.zeros(2, 200, dtype=torch.bool)
+    cal = calibrate_threshold(probs, agree, target_agreement=0.99, delta=0.05, candidates=[0.999, 0.5, 0.0])
+    # the strictest candidate lets nobody exit only if no prob exceeds it; here some do and all disagree
+    assert cal.threshold is None and "never exit" in cal.guarantee
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"target_agreement": 1.2}, "target agreement must be in"),
+    ({"target_agreement": 0.9, "delta": 0.0}, "delta must be in"),
+    ({}, "exactly one target"),
+    ({"target_agreement": 0.9, "method": "magic"}, "unknown p-value method"),
+    ({"max_ppl_increase": 0.05}, "needs per-position NLLs"),
+])
+def test_calibration_bad_arguments(kw, msg):
+    with pytest.raises(InvalidArgumentError, match=msg):
+        calibrate_threshold(torch.rand(2, 10), torch.ones(2, 10, dtype=torch.bool), **kw)
+
+
+# -- exit heads on the real model --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_states(smol):
+    from laserlm.depth.groups import make_groups
+    from laserlm.training.collect import collect_exit_states, load_text_tokens
+
+    groups = make_groups("20/30", smol.engine.num_layers, min_depth=20)
+    tokens = load_text_tokens(smol.tokenizer, max_tokens=3 * 128 + 1)
+    states = collect_exit_states(smol.engine, tokens, groups, seq_len=128, ats_layer=19, progress=False)
+    train, held = states.split_chunks([2 / 3, 1 / 3])
+    return groups, train, held
+
+
+def test_collected_states_match_engine_forward(smol, smol_states):
+    _, train, _ = smol_states
+    from laserlm.training.collect import load_text_tokens
+
+    ids = load_text_tokens(smol.tokenizer, max_tokens=129)[:128]
+    out = smol.engine.forward(ids.unsqueeze(0), logits="all", use_cache=False).logits[0]
+    assert torch.equal(out.argmax(-1), train.full_top1[:128])
+    assert torch.equal(train.labels[:127], ids[1:])
+
+
+def test_training_reduces_held_out_kl(smol, smol_states):
+    from laserlm.training.heads import make_exit_heads
+    from laserlm.training.train import HeadTrainConfig, compute_exit_outputs, train_heads
+
+    groups, train, held = smol_states
+    heads = make_exit_heads(smol.engine, [20], "affine")
+    before = compute_exit_outputs(heads, smol.engine.head, held, 30)  # identity adapter = logit lens
+    plain = compute_exit_outputs(None, smol.engine.head, held, 30)
+    torch.testing.assert_close(before.kl[20], plain.kl[20], rtol=1e-4, atol=1e-4)
+    curve = train_heads(heads, smol.engine.head, train, HeadTrainConfig(steps=30, batch_tokens=128), progress=False)
+    after = compute_exit_outputs(heads, smol.engine.head, held, 30)
+    kl0, kl1 = float(before.kl[20].mean()), float(after.kl[20].mean())
+    assert kl1 < 0.7 * kl0, (kl0, kl1)
+    assert curve[-1] < curve[0]
+
+
+def test_batched_gate_scalars_match_depth_gate_scalars(smol, smol_states):
+    from laserlm.depth.heads import ExitHead, gate_scalars
+    from laserlm.depth.policies import ExitPoint
+    from laserlm.training.heads import gate_scalars_batch
+
+    _, train, _ = smol_states
+    head = ExitHead(smol.engine.adapter, "affine")
+    with torch.no_grad():
+        head.proj.bias.normal_(0, 0.1)
+    idx = torch.tensor([1, 5, 70])
+    h, h_in, ats = train.hidden[20][idx], train.hidden[0][idx], train.ats[idx]
+    with torch.no_grad():
+        batch = gate_scalars_batch(head(h), h, h_in, ats, 20, 30)
+    for j in range(3):
+        point = ExitPoint(1, 20, 30, h[j], h_in[j], head=head, ats=float(ats[j]))
+        torch.testing.assert_close(batch[j], gate_scalars(point), rtol=1e-4, atol=1e-5)
+
+
+def test_collected_ats_matches_direct_attention(smol, smol_states):
+    """ATS at layer 19 recomputed from the attention probabilities of an independent pass."""
+    from laserlm.training.collect import load_text_tokens
+
+    _, train, _ = smol_states
+    ids = load_text_tokens(smol.tokenizer, max_tokens=129)[:128]
+    eng = smol.engine
+    with torch.inference_mode():
+        h, st = eng.begin(ids.unsqueeze(0), use_cache=False)
+        st.ctx.want_probs = frozenset([19])
+        eng.run_layers(0, 20, h, st)
+        p = st.ctx.probs[19][0].double()  # [H, T, T]
+    t = 37
+    direct = torch.stack([torch.dot(p[k, t], p[k, t - 1]) / (p[k, t].norm() * p[k, t - 1].norm())
+                          for k in range(p.shape[0])]).mean()
+    assert float(train.ats[t]) == pytest.approx(float(direct), abs=1e-5)
+    assert float(train.ats[0]) == 0.0
+
+
+def test_test_split_is_refused(smol, tmp_path):
+    from laserlm.training.collect import load_text_tokens
+
+    f = tmp_path / "test.txt"
+    f.write_text("hello world")
+    with pytest.raises(InvalidArgumentError, match="test split"):
+        load_text_tokens(smol.tokenizer, f)
+
+
+# -- artifact ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_artifact(smol, tmp_path_factory):
+    from laserlm.training.artifact import save_artifact
+    from laserlm.training.gates import make_gates
+    from laserlm.training.heads import make_exit_heads
+    from laserlm.training.router import DynamicRouter
+
+    torch.manual_seed(0)
+    heads = make_exit_heads(smol.engine, [10, 20], "lowrank", rank=8)
+    gates = make_gates(576, [10, 20], uses_ats=True)
+    router = DynamicRouter(576, [10, 20])
+    with torch.no_grad():
+        for m in (heads, gates, router):
+            for p in m.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        router.mean.normal_()
+    path = tmp_path_factory.mktemp("art") / "smol.laser.safetensors"
+    save_artifact(path, smol, heads, gates, {"gate_threshold": 0.8}, {"groups": "5", "min_depth": 8,
+                                                                      "policy": "gate"}, router)
+    return path, heads, gates, router
+
+
+def test_artifact_round_trip_identical_outputs(smol, saved_artifact):
+    from laserlm.training.artifact import load_artifact
+
+    path, heads, gates, router = saved_artifact
+    art = load_artifact(path, smol)
+    h = torch.randn(5, 576)
+    s = torch.rand(5, 6)
+    with torch.no_grad():
+        for e in (10, 20):
+            assert torch.equal(art.heads[e](h), heads[str(e)](h))
+            assert torch.equal(art.gates[e](h, s), gates[str(e)](h, s))
+        assert torch.equal(art.router(h), router(h))
+    assert art.thresholds == {"gate_threshold": 0.8}
+    assert json.loads(path.with_suffix(".json").read_text())["format_version"] == 1
+    # the depth package's adaptive mode reads the same file
+    mode = smol.mode(f"adaptive:laser={path},patience=0")
+    assert mode.policy.threshold == 0.8 and set(mode.heads) == {10, 20}
+
+
+def test_artifact_errors(smol, saved_artifact, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from laserlm.runtime.engine import Engine
+    from laserlm.training.artifact import load_artifact
+
+    path = saved_artifact[0]
+    tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
+    with pytest.raises(InvalidArgumentError, match="made for another model"):
+        load_artifact(path, Engine(tiny, max_seq_len=32))
+    data = path.read_bytes()
+    trunc = tmp_path / "trunc.safetensors"
+    trunc.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptModelError, match="cannot read laser file"):
+        load_artifact(trunc, smol)
+    with safe_open(str(path), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    cfg = json.loads(meta["laserlm"])
+    for name, edit, err, msg in [
+        ("version", lambda c: c.update(format_version=99), CorruptModelError, "format version 99"),
+        ("hash", lambda c: c["config"].update(weights_sha256="0" * 64), InvalidArgumentError,
+         "made for another model.*weights hash"),
+    ]:
+        c = json.loads(json.dumps(cfg))
+        edit(c)
+        p = tmp_path / f"{name}.safetensors"
+        save_file(tensors, str(p), metadata={"laserlm": json.dumps(c)})
+        with pytest.raises(err, match=msg):
+            load_artifact(p, smol)
+
+
+# -- CLI ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,msg", [
+    (["--target-agreement", "1.5"], "--target-agreement must be in"),
+    (["--delta", "0"], "--delta must be in"),
+    (["--head-lr", "-1"], "--head-lr must be > 0"),
+    (["--train-tokens", "abc"], "--train-tokens must be an integer"),
+    (["--target-agreement", "0.9", "--max-ppl-increase", "0.1"], "not allowed with argument"),
+])
+def test_cli_rejects_bad_values(argv, msg, capsys, tmp_path):
+    from laserlm.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "-o", str(tmp_path / "a.safetensors"), *argv])
+    assert exc.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--train-tokens", "100"], "train tokens must be an integer >= the sequence length"),
+    (["--max-ppl-increase", "0.1", "--p-value", "binomial"], "supports only --p-value clt"),
+])
+def test_cli_inconsistent_values_fail_before_loading(argv, msg, capsys, tmp_path):
+    from laserlm.cli import main
+
+    assert main(["calibrate", "-o", str(tmp_path / "a.safetensors"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("laserlm: error:") and msg in err
+
+
+def test_cli_missing_output_dir(capsys, tmp_path):
+    from laserlm.cli import main
+
+    assert main(["calibrate", "-o", str(tmp_path / "nope" / "a.safetensors")]) == 2
+    assert "output directory does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_small(tmp_path, capsys):
+    from laserlm.cli import main
+
+    out = tmp_path / "s.safetensors"
+    argv = ["calibrate", "-o", str(out), "--train-tokens", "512", "--gate-tokens", "256", "--calib-tokens", "512",
+            "--eval-tokens", "256", "--head-steps", "10", "--gate-steps", "20", "--router-prompts", "2",
+            "--target-agreement", "0.9", "--quiet", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["exit_points"] == [10, 15, 20, 25] and out.is_file()
+    assert main(argv + ["--resume"]) == 0
+
+
+def test_route_label_equals_regenerating_with_the_exit_head(smol):
+    """The teacher-forced route label agrees with actually generating greedily at that depth."""
+    from laserlm.training.collect import load_text_tokens
+    from laserlm.training.router import greedy_continuation, pooled_first_layer, route_label
+
+    eng = smol.engine
+    toks = load_text_tokens(smol.tokenizer, max_tokens=200)
+    for prompt, exits in ((toks[:16], [26]), (toks[100:112], [29])):
+        cont = greedy_continuation(eng, prompt, 3)
+        gen = prompt.clone()
+        with torch.inference_mode():
+            for _ in range(3):  # brute force: re-run the whole sequence through the first layers, no cache
+                h, st = eng.begin(gen.unsqueeze(0), use_cache=False)
+                h = eng.run_layers(0, exits[0], h, st)
+                gen = torch.cat([gen, eng.head(h)[0, -1].argmax().reshape(1)])
+        same = torch.equal(gen[prompt.shape[0]:], cont)
+        assert route_label(eng, {exits[0]: eng.head}, prompt, cont, exits) == (0 if same else 1)
+    with torch.inference_mode():
+        h, st = eng.begin(toks[:16].unsqueeze(0), use_cache=False)
+        expect = eng.run_layer(0, h, st)[0].mean(0)
+    torch.testing.assert_close(pooled_first_layer(eng, toks[:16]), expect)
+
+
+def test_generate_laser_option_builds_the_adaptive_spec():
+    from laserlm.cli import laser_mode_spec
+    from laserlm.errors import LaserLMError
+
+    assert laser_mode_spec("full", "a.st") == "adaptive:laser=a.st,patience=0"
+    assert laser_mode_spec("adaptive:bridge=deferred", "a.st") == "adaptive:bridge=deferred,laser=a.st"
+    with pytest.raises(LaserLMError, match="works with the adaptive mode"):
+        laser_mode_spec("speculative:k=4", "a.st")
+
+
+# -- the whole pipeline on a tiny random model (fast) -------------------------------------------------
+def _tiny_lm(smol, seed=0):
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from laserlm.runtime.engine import Engine
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=smol.tokenizer.vocab_size + 100, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    identity = {"name": "tiny", "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 32,
+                "vocab_size": cfg.vocab_size}
+    return SimpleNamespace(engine=Engine(model, max_seq_len=128), tokenizer=smol.tokenizer,
+                           loaded=SimpleNamespace(identity=identity, name="tiny"))
+
+
+def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
+    from laserlm.training.artifact import load_artifact
+    from laserlm.training.gates import GateTrainConfig
+    from laserlm.training.pipeline import CalibrateConfig, calibrate, format_summary
+    from laserlm.training.train import HeadTrainConfig, JointTrainConfig
+
+    lm = _tiny_lm(smol)
+    cfg = CalibrateConfig(groups="2", seq_len=32, train_tokens=128, gate_tokens=64, calib_tokens=256,
+                          eval_tokens=64, heads=HeadTrainConfig(steps=5, batch_tokens=32),
+                          gates=GateTrainConfig(steps=5), joint=JointTrainConfig(epochs=2, steps_per_epoch=1),
+                          router_prompts=3, router_prompt_len=8, router_continuation=2, target_agreement=0.5)
+    out = tmp_path / "tiny.safetensors"
+    s = calibrate(lm, cfg, out, progress=False)
+    assert s["exit_points"] == [2, 4, 6] and len(s["per_exit"]) == 3
+    assert sum(r["exit_fraction"] for r in s["per_exit"]) + s["held_out"]["full_depth_fraction"] == pytest.approx(1)
+    assert "exit" in format_summary(s)
+    art = load_artifact(out, lm.engine)
+    assert set(art.heads) == {2, 4, 6} and art.router is not None
+    thr = art.thresholds["gate_threshold"]
+    assert 0 <= thr <= 1
+    # resume with another target reuses the trained modules (identical heads) and re-calibrates
+    cfg.target_agreement = 0.3
+    s2 = calibrate(lm, cfg, tmp_path / "tiny2.safetensors", resume=True, progress=False,
+                   work_dir=tmp_path / "tiny.safetensors.work")
+    art2 = load_artifact(tmp_path / "tiny2.safetensors", lm.engine)
+    h = torch.randn(3, 32)
+    assert torch.equal(art2.heads[4](h), art.heads[4](h))
+    assert s2["calibration"]["target"]["value"] == 0.3
+    # resume with other training settings is refused
+    cfg.heads.steps = 6
+    with pytest.raises(InvalidArgumentError, match="different settings"):
+        calibrate(lm, cfg, out, resume=True, progress=False)

@@ -1,0 +1,267 @@
+"""laserlm eval: metrics against independent computations with the unmodified transformers model."""
+
+from __future__ import annotations
+
+import bz2
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from laserlm.cli import main
+from laserlm.errors import InvalidArgumentError, LaserLMError
+from laserlm.evaluation import data as D
+from laserlm.evaluation.scoring import Scorer, encode_pair
+from laserlm.evaluation.tasks import EvalSettings, Evaluator, text_windows
+from laserlm.runtime.modes import FullDepth, ScoreOutput, register_mode
+
+REAL = D.default_data_dir()
+TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ storey building , and the tallest "
+        "structure in Paris . Its base is square , measuring 125 metres on each side .\n")
+
+
+# -- test modes: a copy of full depth through the generic path, a half-depth model, a broken one --------
+class CopyMode:
+    """Full depth, but not a FullDepth instance: exercises the generic mode.score path."""
+
+    name = "test_copy"
+
+    def __init__(self):
+        self.inner = FullDepth()
+
+    def tokens(self, engine, prompt_ids, params, max_tokens):
+        return self.inner.tokens(engine, prompt_ids, params, max_tokens)
+
+    def score(self, engine, input_ids):
+        return self.inner.score(engine, input_ids)
+
+
+class HalfMode(CopyMode):
+    """Only the first half of the decoder layers (quality must drop)."""
+
+    name = "test_half"
+
+    def score(self, engine, input_ids):
+        k = engine.num_layers // 2
+        with torch.inference_mode():
+            h, st = engine.begin(input_ids.unsqueeze(0), use_cache=False)
+            logits = engine.head(engine.run_layers(0, k, h, st))[0]
+        return ScoreOutput(logits, torch.full((input_ids.shape[0],), float(k)))
+
+
+class BrokenMode(CopyMode):
+    name = "test_broken"
+
+    def score(self, engine, input_ids):
+        raise RuntimeError("shape mismatch in a plug-in")
+
+
+register_mode("test_copy", lambda engine, **o: CopyMode())
+register_mode("test_half", lambda engine, **o: HalfMode())
+register_mode("test_broken", lambda engine, **o: BrokenMode())
+
+
+@pytest.fixture
+def wiki_dir(tmp_path):
+    (tmp_path / "wikitext-2").mkdir()
+    (tmp_path / "wikitext-2" / "test.txt").write_text(TEXT)
+    return tmp_path
+
+
+def _ref_nll(ref, ids: list[int]) -> tuple[float, int]:
+    """Summed NLL of ids[1:] given the prefix, computed directly with the unmodified transformers model."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = ref(x).logits[0].double()
+    nll = torch.nn.functional.cross_entropy(logits[:-1], x[0, 1:], reduction="sum")
+    return float(nll), len(ids) - 1
+
+
+def test_perplexity_equals_exp_mean_nll_of_transformers(smol, smol_ref, wiki_dir):
+    ev = Evaluator(smol, [], EvalSettings(data_dir=str(wiki_dir), window=16, progress=False))
+    r = ev.run("wikitext")["full"]
+    ids = smol.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    nll = n = 0
+    for b in range(0, len(ids), 16):  # non-overlapping windows, first token of each unscored
+        a, c = _ref_nll(smol_ref, ids[b:b + 16]) if len(ids[b:b + 16]) > 1 else (0.0, 0)
+        nll, n = nll + a, n + c
+    assert r["method"] == "non-overlapping" and r["tokens_scored"] == n
+    assert r["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+
+    # sliding window, HF perplexity-guide loop: labels -100 except the last trg_len tokens of each window
+    ev.s.stride = 6
+    r = ev.run("wikitext")["full"]
+    x, nll, n, prev_end = torch.tensor([ids]), 0.0, 0, 0
+    for begin in range(0, len(ids), 6):
+        end = min(begin + 16, len(ids))
+        trg = end - prev_end
+        inp = x[:, begin:end]
+        labels = inp.clone()
+        labels[:, :-trg] = -100
+        with torch.no_grad():
+            lg = smol_ref(inp).logits[0, :-1].double()
+        tgt = labels[0, 1:]
+        nll += float(torch.nn.functional.cross_entropy(lg, tgt, ignore_index=-100, reduction="sum"))
+        n += int((tgt != -100).sum())
+        prev_end = end
+        if end == len(ids):
+            break
+    assert r["method"] == "sliding" and r["tokens_scored"] == n
+    assert r["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+
+
+def test_text_windows_score_every_token_once():
+    # without a BOS prefix, a token that starts a window with no overlap has no context (HF convention)
+    cases = [(100, 32, 32, False, {0, 32, 64, 96}), (100, 32, 7, False, {0}), (33, 32, 16, True, set()),
+             (5, 32, 32, False, {0}), (64, 32, 32, True, set())]
+    for n, w, s, pre, unscored in cases:
+        scored = [i for _, e, f in text_windows(n, w, s, pre) for i in range(f, e)]
+        assert scored == [i for i in range(n) if i not in unscored]
+        assert all(e - b <= w for b, e, _ in text_windows(n, w, s, pre))
+    with pytest.raises(InvalidArgumentError, match="stride"):
+        text_windows(10, 4, 5, False)
+
+
+def test_scorer_matches_transformers_and_picks_obvious_answer(smol, smol_ref):
+    ctx, choices = "The capital of France is", [" Paris", " zxqv blorp gnash"]
+    pairs = [encode_pair(smol.tokenizer, ctx, c) for c in choices]
+    fast = Scorer(smol.engine, "full").score([p[0] for p in pairs], [p[1] for p in pairs])
+    slow = Scorer(smol.engine, "test_copy").score([p[0] for p in pairs], [p[1] for p in pairs])
+    for (ids, start), f, s in zip(pairs, fast, slow):
+        with torch.no_grad():
+            lp = torch.log_softmax(smol_ref(torch.tensor([ids])).logits[0].double(), -1)
+        ref = sum(float(lp[t - 1, ids[t]]) for t in range(start, len(ids)))
+        assert f.logprob == pytest.approx(ref, abs=2e-3)
+        assert s.logprob == pytest.approx(ref, abs=2e-3)
+    assert fast[0].logprob > fast[1].logprob + 10
+    assert fast[0].greedy  # " Paris" is the model's top prediction
+
+
+def test_encode_pair_moves_trailing_space_like_lm_eval(smol):
+    assert encode_pair(smol.tokenizer, "Answer: ", "yes") == encode_pair(smol.tokenizer, "Answer:", " yes")
+    ids, start = encode_pair(smol.tokenizer, "Hello", " world")
+    assert ids == smol.tokenizer("Hello world")["input_ids"] and start == len(smol.tokenizer("Hello")["input_ids"])
+
+
+def test_choice_task_picks_known_answers(smol, tmp_path):
+    (tmp_path / "arc").mkdir()
+    rows = [("What is the capital of France?", ["zq vv", "Paris", "blorp ugh"], "B"),
+            ("How many days are in a week?", ["seven", "qq xz", "nnnn rrr"], "A"),
+            ("What color is the sky on a clear day?", ["fjord plink", "wub wub", "blue"], "C")]
+    with open(tmp_path / "arc" / "ARC-Easy-Test.jsonl", "w") as f:
+        for i, (q, ch, key) in enumerate(rows):
+            f.write(json.dumps({"id": str(i), "question": {"stem": q, "choices": [
+                {"text": t, "label": "ABC"[j]} for j, t in enumerate(ch)]}, "answerKey": key}) + "\n")
+    res = Evaluator(smol, ["test_copy"], EvalSettings(data_dir=str(tmp_path), progress=False)).run("arc_easy")
+    for name in ("full", "test_copy"):
+        assert res[name]["acc"] == 1.0 and res[name]["acc_norm"] == 1.0 and res[name]["n"] == 3
+    assert res["test_copy"]["choice_agreement"] == 1.0
+
+
+def test_agreement_with_itself_is_one_and_half_depth_is_not(smol, wiki_dir):
+    s = EvalSettings(data_dir=str(wiki_dir), window=16, agreement_windows=2, gen_tokens=5, limit=1, progress=False)
+    res = Evaluator(smol, ["test_copy"], s).run("agreement")
+    assert res["test_copy"]["top1_agreement"] == 1.0
+    assert res["test_copy"]["gen_exact_match"] == 1.0 and res["test_copy"]["gen_mean_lcp_fraction"] == 1.0
+    s.limit = None
+    wt = Evaluator(smol, ["test_half"], s).run("wikitext")
+    assert wt["test_half"]["top1_agreement"] < 0.9
+    assert wt["test_half"]["perplexity"] > wt["full"]["perplexity"]
+    assert wt["test_half"]["mean_layers"] == smol.engine.num_layers // 2
+
+
+# -- data parsers on real lines ------------------------------------------------------------------------
+def _head(path: Path, n: int) -> str:
+    opener = bz2.open if path.suffix == ".bz2" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return "".join(next(f) for _ in range(n))
+
+
+@pytest.mark.skipif(not REAL.is_dir(), reason="shared data directory not present")
+def test_parsers_on_real_lines(tmp_path):
+    (tmp_path / "h.txt").write_text(_head(REAL / "hellaswag/hellaswag_val_full.txt.bz2", 12))
+    h = D.read_hellaswag(tmp_path / "h.txt")
+    assert len(h) == 2 and h[0].gold == 3 and len(h[0].choices) == 4
+    assert h[0].context == "Roof shingle removal: A man is sitting on a roof. He"  # ctx_b capitalised as lm-eval
+    assert h[0].choices[3] == "starts pulling up roofing on a roof."
+    (tmp_path / "l.jsonl").write_text(_head(REAL / "lambada/lambada_test.jsonl", 2))
+    lam = D.read_lambada(tmp_path / "l.jsonl")
+    assert lam[0].target == " signs" and lam[0].context.endswith("I don't care about")
+    (tmp_path / "a.jsonl").write_text(_head(REAL / "arc/ARC-Easy-Test.jsonl", 2))
+    arc = D.read_arc(tmp_path / "a.jsonl")
+    assert arc[0].context.startswith("Question: Which statement") and arc[0].context.endswith("\nAnswer:")
+    assert arc[0].gold == 0 and arc[1].gold == 1 and len(arc[0].choices) == 4
+    (tmp_path / "p.jsonl").write_text(_head(REAL / "piqa/valid.jsonl", 3))
+    (tmp_path / "p.lst").write_text(_head(REAL / "piqa/valid-labels.lst", 3))
+    piqa = D.read_piqa(tmp_path / "p.jsonl", tmp_path / "p.lst")
+    assert [p.gold for p in piqa] == [0, 1, 1] and piqa[1].context == "Question: dresser\nAnswer:"
+    (tmp_path / "bad.lst").write_text("0\n")
+    with pytest.raises(D.DataFileError, match="3 rows but"):
+        D.read_piqa(tmp_path / "p.jsonl", tmp_path / "bad.lst")
+    assert D.read_wikitext(REAL / "wikitext-2/test.txt").startswith(" \n = Robert <unk> = \n")
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "piqa", "--data-dir", "/nonexistent/dir"], "data file for task 'piqa' not found: /nonexistent/dir"),
+    (["--tasks", "squad"], "unknown task 'squad'"),
+    (["--limit", "0"], "--limit must be a positive number"),
+    (["--config", "nosuchmode:x=1"], "unknown mode 'nosuchmode'"),
+    (["--stride", "600"], "--stride (600) cannot exceed --window (512)"),
+])
+def test_cli_bad_input_one_line_exit_2(capsys, argv, message):
+    assert main(["eval", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("laserlm: error:") and message in err and "\n" not in err
+
+
+def test_unrunnable_configuration_is_a_clear_error(smol):
+    with pytest.raises(LaserLMError, match="configuration 'test_broken' cannot run on this model: RuntimeError"):
+        Evaluator(smol, ["test_broken"])
+    with pytest.raises(InvalidArgumentError, match="unknown mode"):
+        Evaluator(smol, ["nosuchmode"])
+    with pytest.raises(InvalidArgumentError, match="--limit"):
+        Evaluator(smol, [], EvalSettings(limit=0)).run("piqa")
+
+
+# -- lm-evaluation-harness adapter -------------------------------------------------------------------------
+class FakeInstance:
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_lmeval_adapter_methods(smol, smol_ref):
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+
+    h = LaserLMHarness(smol, mode="test_copy")
+    (lp_paris, greedy), (lp_bad, _) = h.loglikelihood([FakeInstance("The capital of France is", " Paris"),
+                                                        FakeInstance("The capital of France is", " zxqv blorp")])
+    assert greedy and lp_paris > lp_bad + 10
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = [smol.tokenizer.eos_token_id] + smol.tokenizer(text)["input_ids"]  # SmolLM2 has a BOS-less tokenizer
+    ids[0] = smol.tokenizer.bos_token_id if smol.tokenizer.bos_token_id is not None else ids[0]
+    assert h.loglikelihood_rolling([FakeInstance(text)])[0] == pytest.approx(-_ref_nll(smol_ref, ids)[0], abs=2e-3)
+    out = h.generate_until([FakeInstance("Count: one, two, three,", {"until": [","], "max_gen_toks": 10})])[0]
+    assert "," not in out and out.strip()
+
+
+def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    items = [{"question": "What is the capital of France?", "choices": ["Paris", "a purple refrigerator"], "label": 0},
+             {"question": "How many legs does a dog have?", "choices": ["xq zvb wpl", "four"], "label": 1}]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    (tmp_path / "task.yaml").write_text(
+        "task: laserlm_local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'items.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "Question: {{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{label}}"\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    res = lm_eval.simple_evaluate(model=LaserLMHarness(smol), tasks=["laserlm_local_mc"],
+                                  task_manager=TaskManager(include_path=str(tmp_path)))
+    assert res["results"]["laserlm_local_mc"]["acc,none"] == 1.0

@@ -1,0 +1,411 @@
+"""Self-speculative decoding (issue #6): lossless greedy output, exact sampling distribution, KV rollback.
+
+References are independent of the speculative code path:
+- greedy text: ``model.generate(do_sample=False)`` of an unmodified transformers model (``smol_ref`` or
+  a deep copy of the tiny model);
+- sampling: the full model's exact distribution of tokens 1..4, enumerated over all prefixes of a
+  16-token vocabulary with plain batched forwards, compared in a chi-square goodness-of-fit test at
+  significance ALPHA = 1e-3 (the p-value is the chi-square survival function, computed with
+  ``torch.special.gammaincc``; the same test must *reject* the draft-only distribution, which shows it
+  can fail);
+- the KV cache: the cache full-depth decoding of the same tokens holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from laserlm.errors import InvalidArgumentError
+from laserlm.runtime import Engine
+from laserlm.runtime.modes import make_mode
+from laserlm.runtime.sampling import SamplingParams, probabilities
+from laserlm.runtime.speculative import SpeculativeDecoding
+
+ALPHA = 1e-3
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village at the edge of a dark forest, there lived",
+    " = Valkyria Chronicles III = \n\n Senjō no Valkyria 3 : Unrecorded Chronicles is a tactical role",
+    "<chat>",
+]
+CHAT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+# -- helpers -------------------------------------------------------------------------------------
+@pytest.fixture
+def one_thread():
+    """Tiny models run faster on one thread (and share the 2-core machine better)."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(prev)
+
+
+def tiny_model(layers: int = 4, vocab: int = 16, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, num_hidden_layers=layers, max_position_embeddings=128,
+                      initializer_range=0.3, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy continuation with the transformers model and its own cache (EOS does not stop it)."""
+    out = []
+    with torch.inference_mode():
+        res = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one.
+    Returns (p-value, degrees of freedom)."""
+    n = counts.sum()
+    expected = probs.double() * n
+    small = expected < 5
+    obs = torch.cat([counts[~small].double(), counts[small].double().sum().view(1)])
+    exp = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    if (obs[exp == 0] > 0).any():
+        return 0.0, 0
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = obs.numel() - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2)), df
+
+
+def test_chi2_pvalue_reference_values():
+    # chi-square critical values: df=1 at 3.841 -> p=0.05; df=3 at 11.345 -> p=0.01
+    p1 = float(torch.special.gammaincc(torch.tensor(0.5, dtype=torch.float64), torch.tensor(3.841 / 2)))
+    p3 = float(torch.special.gammaincc(torch.tensor(1.5, dtype=torch.float64), torch.tensor(11.345 / 2)))
+    assert abs(p1 - 0.05) < 1e-3 and abs(p3 - 0.01) < 1e-4
+
+
+def full_cache_of(engine: Engine, prompt: torch.Tensor, generated: list[int]) -> list[tuple]:
+    """K/V that full-depth decoding holds after generating ``generated`` (the last token not yet fed)."""
+    engine.reset()
+    engine.prefill(prompt.unsqueeze(0))
+    for tok in generated[:-1]:
+        engine.decode_step(torch.tensor([tok]))
+    n = engine.position
+    return [(engine.cache.k[i][:, :, :n].clone(), engine.cache.v[i][:, :, :n].clone())
+            for i in range(engine.num_layers)]
+
+
+def snapshot(engine: Engine) -> list[tuple]:
+    n = engine.position
+    return [(engine.cache.k[i][:, :, :n].clone(), engine.cache.v[i][:, :, :n].clone())
+            for i in range(engine.num_layers)]
+
+
+def assert_cache_equal(got, want):
+    assert len(got) == len(want)
+    for i, ((gk, gv), (wk, wv)) in enumerate(zip(got, want)):
+        assert gk.shape == wk.shape, f"layer {i}: cache length {gk.shape[2]} != {wk.shape[2]}"
+        for g, w, what in ((gk, wk, "K"), (gv, wv, "V")):
+            err = (g - w).abs().max().item()
+            assert err <= 1e-5 * max(w.abs().max().item(), 1.0), f"layer {i} {what}: max abs diff {err:.3g}"
+
+
+# -- options -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    ("speculative:k=0", "k (drafted tokens per cycle) must be an integer in [1, 64], got 0"),
+    ("speculative:k=four", "must be an integer, got 'four'"),
+    ("speculative:draft_layers=0", "draft_layers must be an integer in [1, 3] for this 4-layer model"),
+    ("speculative:draft_layers=4", "draft_layers must be an integer in [1, 3]"),
+    ("speculative:threshold=1.5", "threshold (draft confidence) must be in [0, 1], got 1.5"),
+    ("speculative:threshold=-0.1", "threshold (draft confidence) must be in [0, 1]"),
+    ("speculative:reuse=maybe", "reuse must be true/false"),
+    ("speculative:depth=3", "unknown speculative option(s) depth; known: draft_layers, k, threshold"),
+])
+def test_bad_options(spec, message):
+    engine = Engine(tiny_model(), max_seq_len=32)
+    with pytest.raises(InvalidArgumentError) as err:
+        make_mode(spec, engine)
+    assert message in str(err.value)
+
+
+def test_bad_exit_head():
+    with pytest.raises(InvalidArgumentError, match="exit_head must be a callable"):
+        SpeculativeDecoding(4, draft_layers=2, exit_head="lens.pt")
+
+
+# -- tiny model: greedy, cache, sampling ---------------------------------------------------------
+@pytest.mark.parametrize("draft_layers, k, threshold, reuse", [
+    (1, 1, 0.0, True), (2, 3, 0.0, True), (2, 3, 0.0, False), (3, 5, 0.2, True), (1, 4, 0.3, False),
+])
+def test_tiny_greedy_matches_full(one_thread, draft_layers, k, threshold, reuse):
+    model = tiny_model(vocab=64)
+    ref = copy.deepcopy(model)
+    ref.config._attn_implementation = "sdpa"
+    engine = Engine(model, max_seq_len=64)
+    mode = SpeculativeDecoding(4, draft_layers=draft_layers, k=k, threshold=threshold, reuse=reuse)
+    prompt = [3, 17, 42, 5]
+    n = 40
+    run = mode.tokens(engine, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+    got = [ev.token_id for ev in run]
+    assert got == hf_greedy(ref, prompt, n)
+    s = run.summary()["speculative"]
+    assert s["emitted"] == n - 1 and s["drafted"] > 0 and 0 <= s["accepted"] <= s["drafted"]
+    assert engine.position == len(prompt) + n - 1
+
+
+@pytest.mark.parametrize("temperature, reuse", [(0.0, True), (0.0, False), (1.0, True), (1.0, False)])
+def test_kv_cache_after_rejection_equals_full_depth(one_thread, temperature, reuse):
+    """After a cycle that rejected a draft, the cache holds exactly what full-depth decoding holds."""
+    engine = Engine(tiny_model(vocab=64), max_seq_len=64)
+    mode = SpeculativeDecoding(4, draft_layers=2, k=4, reuse=reuse)
+    prompt = torch.tensor([3, 17, 42, 5])
+    params = SamplingParams(max_new_tokens=30, temperature=temperature, seed=1)
+    run = mode.tokens(engine, prompt, params, 30)
+    tokens, checked = [], 0
+    for ev in run:
+        tokens.append(ev.token_id)
+        if ev.info.get("kind") == "correction" and checked < 3:  # last token of a rejecting cycle
+            assert engine.position == len(prompt) + len(tokens) - 1
+            got = snapshot(engine)
+            assert_cache_equal(got, full_cache_of(Engine(engine.model, max_seq_len=64), prompt, tokens))
+            checked += 1
+    assert checked > 0, "no rejection happened: the test checked nothing"
+    assert_cache_equal(snapshot(engine), full_cache_of(Engine(engine.model, max_seq_len=64), prompt, tokens))
+
+
+def exact_marginals(engine: Engine, prompt: list[int], params: SamplingParams, depth: int, layers: int):
+    """Exact distributions of tokens 1..depth when every token is drawn from the filtered
+    distribution of the first ``layers`` layers + LM head (``layers = L``: the full model)."""
+    vocab = engine.config.vocab_size
+    joint = torch.ones(1, dtype=torch.float64)  # over all prefixes of generated tokens, lexicographic
+    seqs = torch.tensor([prompt])
+    marginals = []
+    with torch.inference_mode():
+        for _ in range(depth):
+            h, st = engine.begin(seqs, use_cache=False)
+            h = engine.run_layers(0, layers, h, st)
+            p = probabilities(engine.head(h)[:, -1], params).double()  # [prefixes, V]
+            joint = (joint[:, None] * p).reshape(-1)
+            marginals.append(joint.view(-1, vocab).sum(0))
+            seqs = torch.cat([seqs.repeat_interleave(vocab, 0),
+                              torch.arange(vocab).repeat(seqs.shape[0])[:, None]], dim=1)
+    return marginals
+
+
+def mixed_marginals(engine, prompt, params, depth, draft_layers):
+    """Token 1 from the full model, tokens 2.. from the draft only (speculation that accepts every
+    draft): the distribution a broken acceptance rule would produce."""
+    vocab = engine.config.vocab_size
+    joint = torch.ones(1, dtype=torch.float64)
+    seqs = torch.tensor([prompt])
+    marginals = []
+    with torch.inference_mode():
+        for step in range(depth):
+            h, st = engine.begin(seqs, use_cache=False)
+            h = engine.run_layers(0, engine.num_layers if step == 0 else draft_layers, h, st)
+            p = probabilities(engine.head(h)[:, -1], params).double()
+            joint = (joint[:, None] * p).reshape(-1)
+            marginals.append(joint.view(-1, vocab).sum(0))
+            seqs = torch.cat([seqs.repeat_interleave(vocab, 0),
+                              torch.arange(vocab).repeat(seqs.shape[0])[:, None]], dim=1)
+    return marginals
+
+
+@pytest.mark.parametrize("sampling, threshold, reuse", [
+    (dict(temperature=1.0), 0.0, True),
+    (dict(temperature=0.8, top_k=10, top_p=0.9), 0.2, False),
+])
+def test_sampling_distribution_matches_full_model(one_thread, sampling, threshold, reuse):
+    """Tokens 2-4 are drafted (k=3) and accepted/rejected by the speculative rule; their empirical
+    distribution must match the full model's exact one (chi-square, ALPHA), and must not match the
+    draft-only distribution."""
+    engine = Engine(tiny_model(vocab=16), max_seq_len=16)
+    prompt, depth, samples = [1, 5, 7], 4, 1500
+    mode = SpeculativeDecoding(4, draft_layers=2, k=3, threshold=threshold, reuse=reuse)
+    counts = torch.zeros(depth, 16)
+    drafted = accepted = 0
+    for seed in range(samples):
+        params = SamplingParams(max_new_tokens=depth, seed=seed, **sampling)
+        run = mode.tokens(engine, torch.tensor(prompt), params, depth)
+        for pos, ev in enumerate(run):
+            counts[pos, ev.token_id] += 1
+        drafted += run.stats.drafted
+        accepted += run.stats.accepted
+    assert 0.2 < accepted / drafted < 0.9, "draft and full model should disagree often and agree often"
+    params = SamplingParams(**sampling)
+    exact = exact_marginals(engine, prompt, params, depth, engine.num_layers)
+    broken = mixed_marginals(engine, prompt, params, depth, 2)
+    for pos in range(depth):
+        pval, df = chi2_pvalue(counts[pos], exact[pos])
+        assert pval > ALPHA, f"token {pos + 1}: chi-square p={pval:.2g} (df={df}) rejects the full model's distribution"
+    worst = min(chi2_pvalue(counts[pos], broken[pos])[0] for pos in range(1, depth))
+    assert worst < ALPHA, "the test cannot tell the draft's distribution from the full model's"
+
+
+def test_score_is_full_depth():
+    engine = Engine(tiny_model(vocab=64), max_seq_len=64)
+    ids = torch.tensor([3, 17, 42, 5, 9, 11])
+    out = make_mode("speculative:draft_layers=1,k=2", engine).score(engine, ids)
+    ref = make_mode("full", engine).score(engine, ids)
+    assert torch.equal(out.logits, ref.logits) and out.layers.tolist() == [4.0] * 6
+
+
+# -- real SmolLM2-135M ---------------------------------------------------------------------------
+class PerturbedLens(torch.nn.Module):
+    """Stand-in for a calibrated exit head: identity-initialised affine adapter + random perturbation,
+    then the model's final norm + LM head."""
+
+    def __init__(self, engine, scale: float = 0.05, seed: int = 0):
+        super().__init__()
+        d = engine.config.hidden_size
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.eye(d) + scale * torch.randn(d, d, generator=g) / d ** 0.5
+        self.bias = scale * torch.randn(d, generator=g)
+        self.engine = engine
+
+    def forward(self, hidden):
+        return self.engine.head(hidden @ self.weight.T + self.bias)
+
+
+def _prompt_ids(smol, prompt):
+    tok = smol.tokenizer
+    if prompt == "<chat>":
+        ids = tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+        return list(ids)
+    return list(tok(prompt)["input_ids"])
+
+
+_REF_CACHE: dict = {}
+
+
+def _reference(smol, smol_ref, prompt, n):
+    key = (prompt, n)
+    if key not in _REF_CACHE:
+        _REF_CACHE[key] = hf_greedy(smol_ref, _prompt_ids(smol, prompt), n)
+    return _REF_CACHE[key]
+
+
+def _check_real_greedy(smol, smol_ref, prompt, n, draft_layers, k, threshold=0.0, reuse=True, lens=False):
+    engine = smol.engine
+    head = PerturbedLens(engine) if lens else None
+    mode = SpeculativeDecoding(engine.num_layers, draft_layers=draft_layers, k=k, threshold=threshold,
+                               reuse=reuse, exit_head=head)
+    ids = _prompt_ids(smol, prompt)
+    run = mode.tokens(engine, torch.tensor(ids), SamplingParams(max_new_tokens=n, ignore_eos=True), n)
+    got = [ev.token_id for ev in run]
+    want = _reference(smol, smol_ref, prompt, n)
+    mismatch = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    assert got == want, f"first mismatch at token {mismatch} ({draft_layers=}, {k=}, {threshold=}, {reuse=}, {lens=})"
+    return run
+
+
+FAST_CASES = [  # (prompt index, draft_layers, k, threshold, reuse, lens): every prompt, several N and K
+    (0, 15, 4, 0.0, True, False),
+    (1, 8, 2, 0.0, False, False),
+    (2, 24, 6, 0.5, True, False),
+    (3, 20, 3, 0.0, True, True),
+    (4, 27, 5, 0.3, False, True),
+]
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: f"p{c[0]}-N{c[1]}-K{c[2]}")
+def test_smollm2_greedy_identical_to_full_depth(smol, smol_ref, case):
+    i, n_draft, k, thr, reuse, lens = case
+    run = _check_real_greedy(smol, smol_ref, PROMPTS[i], 32, n_draft, k, thr, reuse, lens)
+    assert run.stats.drafted > 0
+
+
+def test_smollm2_cache_after_generation_equals_full_depth(smol):
+    engine = smol.engine
+    ids = torch.tensor(_prompt_ids(smol, PROMPTS[2]))
+    mode = SpeculativeDecoding(engine.num_layers, draft_layers=12, k=4)
+    run = mode.tokens(engine, ids, SamplingParams(max_new_tokens=16), 16)
+    tokens = [ev.token_id for ev in run]
+    assert run.stats.accepted < run.stats.drafted  # rejections happened (raw LM head at layer 12)
+    got = snapshot(engine)
+    assert_cache_equal(got, full_cache_of(engine, ids, tokens))
+
+
+def test_generate_json_reports_acceptance(capsys):
+    from laserlm.cli import main
+
+    rc = main(["generate", "The capital of France is", "-n", "12", "--mode",
+               "speculative:draft_layers=20,k=3,threshold=0.2", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    s = out["speculative"]
+    assert {"acceptance_rate", "mean_accepted_length", "draft_s", "verify_s", "cycles"} <= set(s)
+    assert s["draft_layers"] == 20 and s["k"] == 3 and out["generated_tokens"] <= 12
+    assert s["emitted"] + 1 >= out["generated_tokens"]
+    assert all("accepted" in e or e.get("kind") == "prefill" for e in out["events"])
+
+
+def test_cli_bad_option_is_one_line_error(capsys):
+    from laserlm.cli import main
+
+    rc = main(["generate", "hi", "-n", "2", "--mode", "speculative:k=0"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["laserlm: error: k (drafted tokens per cycle) must be an integer in [1, 64], got 0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft_layers, k, reuse, lens", [
+    (8, 2, True, False), (15, 4, True, False), (24, 6, False, False), (20, 4, True, True),
+])
+def test_smollm2_greedy_128_tokens_all_prompts(smol, smol_ref, draft_layers, k, reuse, lens):
+    for prompt in PROMPTS:
+        _check_real_greedy(smol, smol_ref, prompt, 128, draft_layers, k, 0.0, reuse, lens)
+
+
+# -- auto calibration ------------------------------------------------------------------------------
+def test_calibration_simulation_matches_real_greedy_run(one_thread):
+    """The cost-model replay on a teacher-forced greedy trace predicts the real run's cycles and
+    accepted drafts exactly (greedy speculation sees the full model's own prefix)."""
+    from laserlm.runtime import speculative_calibration as cal
+
+    engine = Engine(tiny_model(vocab=64), max_seq_len=64)
+    prompt, n = [3, 17, 42, 5], 30
+    costs = {"layer_s": {t: 1.0 for t in range(1, 10)}, "head_s": 1.0}
+    (trace,) = cal.greedy_traces(engine, [prompt], n, [2], None)
+    for k, thr in ((3, 0.0), (2, 0.2), (5, 0.15)):
+        mode = SpeculativeDecoding(4, draft_layers=2, k=k, threshold=thr)
+        run = mode.tokens(engine, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+        list(run)
+        sim = cal.simulate(trace["agree"][0, 1:], trace["conf"][0, 1:], 2, 4, k, thr, costs)
+        assert (sim["cycles"], sim["accepted"], sim["emitted"]) == (run.stats.cycles, run.stats.accepted,
+                                                                    run.stats.emitted)
+        assert 0 < run.stats.accepted < run.stats.drafted
+
+
+def test_auto_options_run_a_calibration(smol, monkeypatch):
+    import functools
+
+    from laserlm.runtime import speculative_calibration as cal
+
+    monkeypatch.setattr(cal, "calibrate", functools.partial(cal.calibrate, gen_tokens=6, n_text=1))
+    mode = make_mode("speculative:auto=1,k=2", smol.engine)
+    report = mode.calibration
+    assert mode.k == 2 and 1 <= mode.draft_layers < smol.engine.num_layers and 0 <= mode.threshold <= 1
+    chosen = report["chosen"]
+    assert (chosen["draft_layers"], chosen["threshold"]) == (mode.draft_layers, mode.threshold)
+    assert report["searched"] == len(report["top1_agreement_by_depth"]) * len(cal.THRESHOLDS)
+    assert report["search"][0]["predicted_speedup"] == max(r["predicted_speedup"] for r in report["search"])
+    run = mode.tokens(smol.engine, torch.tensor(_prompt_ids(smol, PROMPTS[0])), SamplingParams(max_new_tokens=4), 4)
+    list(run)
+    assert run.summary()["speculative"]["calibration"] is report
+
+
+def test_auto_without_data_is_a_clear_error(smol, monkeypatch, tmp_path):
+    from laserlm.runtime import speculative_calibration as cal
+
+    monkeypatch.setattr(cal, "DATA_DIR", tmp_path)
+    with pytest.raises(InvalidArgumentError, match="auto calibration needs WikiText-2 valid text"):
+        make_mode("speculative:draft_layers=auto", smol.engine)
