@@ -95,6 +95,82 @@ def speed(lm, specs: list[str], prompt: str, n_new: int, reps: int) -> dict:
     return out
 
 
+def family(spec: str) -> str:
+    """Series name of a spec for the plot and tables."""
+    if spec.startswith("early-exit"):
+        return "naive early exit"
+    if spec.startswith("static"):
+        return "static pruning (ShortGPT BI)"
+    if spec == "full":
+        return "full"
+    opts = dict(p.split("=", 1) for p in spec.split(":", 1)[1].split(","))
+    name = opts.get("policy", "confidence")
+    if opts.get("measure"):
+        name += f"({opts['measure']})"
+    if "compensation" in opts:
+        name += f"+compensation {opts['compensation']}"
+    if opts.get("patience") == "0":
+        name += ", no patience"
+    return f"adaptive {name} [{opts.get('bridge', 'propagate')}]"
+
+
+def report(path: str, png: str | None) -> str:
+    """Markdown tables (and a PNG plot) from a results JSON."""
+    data = json.loads(Path(path).read_text())
+    rows = data["quality"]
+    lines = []
+    for which, title in (("main", "batched / replayed (deferred bridge exact by replay)"),
+                         ("decode", "token-by-token decode (propagate / none bridges)")):
+        sel = [r for r in rows if r["set"] == which]
+        if not sel:
+            continue
+        lines += [f"\n#### {title}: {sel[0]['tokens']} predicted tokens\n",
+                  "| mode | exit layers | cost (layer-eq.) | top-1 agreement | perplexity |", "|---|---|---|---|---|"]
+        for r in sel:
+            lines.append(f"| `{r['spec']}` | {r['exit_layers']:.1f} | {r['cost_layers']:.1f} | {r['agreement']:.3f} | "
+                         f"{r['ppl']:.1f} |")
+    for key in ("speed", "speed_extra"):
+        if key not in data:
+            continue
+        sp = data[key]
+        base = sp["full"]["tokens_per_s"]
+        lines += [f"\n#### decode speed{' (second run)' if key == 'speed_extra' else ''} (interleaved, median of reps)\n",
+                  "| mode | tokens/s | vs full | mean exit layers | all runs |", "|---|---|---|---|---|"]
+        for k, v in sp.items():
+            lines.append(f"| `{k}` | {v['tokens_per_s']:.2f} | {v['tokens_per_s'] / base:.2f}x | "
+                         f"{v['mean_exit_layers']:.1f} | {v['all']} |")
+    if png:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+
+        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+        series: dict = {}
+        for r in rows:
+            if r["set"] != "main" and "propagate" not in r["spec"] and "none" not in r["spec"]:
+                continue
+            series.setdefault(family(r["spec"]) + (" (decode set)" if r["set"] == "decode" else ""), []).append(r)
+        for name, pts in series.items():
+            pts = sorted(pts, key=lambda r: r["exit_layers"])
+            xs = [r["exit_layers"] for r in pts]
+            style = "-o" if name.startswith(("static", "naive")) else "--^" if "decode" in name else ":s"
+            axes[0].plot(xs, [r["agreement"] for r in pts], style, label=name, markersize=4)
+            axes[1].plot(xs, [r["ppl"] for r in pts], style, label=name, markersize=4)
+        axes[0].set_ylabel("greedy top-1 agreement with the full model")
+        axes[1].set_ylabel("perplexity (WikiText-2 test slice)")
+        axes[1].set_yscale("log")
+        for ax in axes:
+            ax.set_xlabel("mean layers before the prediction (exit layer)")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=6)
+        meta = data.get("meta", {})
+        fig.suptitle(f"{meta.get('model', '')}: adaptive depth (untrained exit heads) vs static baselines")
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -107,12 +183,20 @@ def main():
     ap.add_argument("--speed-reps", type=int, default=2)
     ap.add_argument("--skip-decode", action="store_true", help="skip the slow propagate/none sweeps")
     ap.add_argument("--out", default="benchmarks/results_depth.json")
+    ap.add_argument("--speed-specs", nargs="+", help="only a speed run of full + these specs (stored as speed_extra)")
+    ap.add_argument("--specs", nargs="+", help="only these replay/batched specs (appended to --out), no speed run")
+    ap.add_argument("--report", metavar="JSON", help="only print tables (and --plot) from a results JSON")
+    ap.add_argument("--plot", default=None, help="PNG path for the quality-vs-layers plot")
     args = ap.parse_args()
+    if args.report:
+        print(report(args.report, args.plot))
+        return
     torch.set_num_threads(2)
     lm = laserlm.load(args.model)
     eng = lm.engine
     L = eng.num_layers
     head_cost, kv_cost = layer_costs(eng)
+    eng._depth_replay_memo = {}  # replayed policies share the full-depth hidden states of each chunk
     chunks = chunks_of(lm, DATA / "test.txt", args.tokens, args.chunk)
     dchunks = [c[i:i + args.decode_chunk] for c in chunks for i in range(0, c.shape[0], args.decode_chunk)]
     dchunks = [c for c in dchunks if c.shape[0] == args.decode_chunk][: max(1, args.decode_tokens // args.decode_chunk)]
@@ -133,6 +217,19 @@ def main():
     for th in (0.9, 0.7):
         specs.append(f"adaptive:policy=confidence,threshold={th},compensation=0.3,bridge=deferred")
         specs.append(f"adaptive:policy=confidence,threshold={th},patience=0,bridge=deferred")
+    if args.speed_specs:
+        old = json.loads(Path(args.out).read_text())
+        old["speed_extra"] = speed(lm, ["full"] + args.speed_specs, "The history of the city begins in the Roman "
+                                   "period, when", args.speed_tokens, args.speed_reps)
+        Path(args.out).write_text(json.dumps(old, indent=1))
+        print(json.dumps(old["speed_extra"], indent=1))
+        return
+    if args.specs:
+        old = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {"quality": []}
+        for s in tqdm(args.specs, desc="extra specs"):
+            old["quality"].append({**evaluate(lm, s, chunks, ref, head_cost, kv_cost), "set": "main"})
+            Path(args.out).write_text(json.dumps(old, indent=1))
+        return
     dspecs = [] if args.skip_decode else [f"adaptive:policy=confidence,threshold={th},bridge={b}"
                                           for b in ("propagate", "none") for th in (0.95, 0.8, 0.6)]
     rows = []

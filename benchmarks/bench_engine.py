@@ -8,6 +8,9 @@ load from other jobs on the machine hits both alike; the ratio is the robust num
 Implementations:
 - ``engine``: laserlm's :class:`~laserlm.runtime.engine.Engine` primitives (``prefill`` /
   ``decode_step`` + argmax), full depth.
+- ``base``: the same engine with the optimisations of this benchmark's round switched off
+  (``engine.fast_layers = False``: every layer called as a transformers module; prefill with a
+  boolean causal mask instead of SDPA ``is_causal``), i.e. the engine before them.
 - ``laserlm``: ``LaserLM.generate`` end to end (adds sampling, detokenization, stop handling).
 - ``hf``: an unmodified transformers model instance loaded from the same converted weights,
   ``model.generate(do_sample=False)`` with its default dynamic cache, eager PyTorch, SDPA attention.
@@ -99,6 +102,25 @@ class Runner:
             token = e.decode_step(token).logits[:, -1].argmax(-1)
         return (TG - 1) / (time.perf_counter() - t0)
 
+    # -- the engine before the optimisations (transformers layer modules, boolean prefill mask) --
+    def _baseline(self, fn):
+        from laserlm.runtime import attention as attn
+
+        saved = attn.AttentionContext.plain_causal
+        attn.AttentionContext.plain_causal = lambda *args, **kwargs: False
+        self.engine.fast_layers = False
+        try:
+            return fn()
+        finally:
+            self.engine.fast_layers = True
+            attn.AttentionContext.plain_causal = saved
+
+    def base_pp(self) -> float:
+        return self._baseline(self.engine_pp)
+
+    def base_tg(self) -> float:
+        return self._baseline(self.engine_tg)
+
     # -- LaserLM.generate -------------------------------------------------------------------
     def laserlm_tg(self) -> float:
         from laserlm.runtime.generate import Generation
@@ -149,7 +171,7 @@ def bench_throughput(model: str, dtype: str, reps: int, impls: list[str]) -> dic
     r = Runner(model, dtype, impls)
     tests = []
     for impl in impls:
-        if impl in ("engine", "hf"):
+        if impl in ("engine", "base", "hf"):
             tests.append((f"{impl}/pp{PP}", getattr(r, f"{impl}_pp")))
         tests.append((f"{impl}/tg{TG}", getattr(r, f"{impl}_tg")))
     for name, fn in tests:  # warm-up
@@ -202,17 +224,42 @@ def machine() -> dict:
             "loadavg_start": os.getloadavg()}
 
 
+def markdown(results: list[dict]) -> str:
+    """A Markdown table of pp/tg tokens/s (mean ± std) and per-repetition ratios vs transformers."""
+    rows = ["| model | dtype | test | engine | engine before (base) | LaserLM.generate | transformers generate "
+            "| engine / generate (median of per-rep ratios) |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for dtype, res in r["by_dtype"].items():
+            tps = res["tokens_per_s"]
+            for test in (f"pp{PP}", f"tg{TG}"):
+                def cell(impl):
+                    v = tps.get(f"{impl}/{test}")
+                    return f"{v['mean']:.1f} ± {v['std']:.1f}" if v else "–"
+                ratio = "–"
+                if f"engine/{test}" in tps and f"hf/{test}" in tps:
+                    ratios = [a / b for a, b in zip(tps[f"engine/{test}"]["runs"], tps[f"hf/{test}"]["runs"])]
+                    ratio = f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
+                rows.append(f"| {r['model']} | {dtype} | {test} | {cell('engine')} | {cell('base')} | "
+                            f"{cell('laserlm')} | {cell('hf')} | {ratio} |")
+    return "\n".join(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--impls", nargs="+", default=["engine", "laserlm", "hf"])
+    p.add_argument("--impls", nargs="+", default=["engine", "base", "laserlm", "hf"])
     p.add_argument("--no-memory", action="store_true", help="skip the peak-RSS subprocesses")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="append the JSON result to this file")
     p.add_argument("--child-memory", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--markdown", default=None, metavar="JSONL", help="print a table from an --out file and exit")
     args = p.parse_args(argv)
+    if args.markdown:
+        with open(args.markdown) as f:
+            print(markdown([json.loads(line) for line in f if line.strip()]))
+        return 0
     if args.child_memory:
         child_memory(args.model, args.dtypes[0], args.child_memory)
         return 0

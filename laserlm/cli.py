@@ -57,11 +57,13 @@ def add_mode_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    """Several decoding-mode specs for ``eval`` / ``bench``. Mode specs contain commas, so specs are
-    given one per ``--config`` flag or ``;``-separated in ``--configs``."""
+    """Several configurations for ``eval`` / ``bench``: ``MODE_SPEC[@ATTENTION]``, e.g. ``full@sparse:threshold=0.5``.
+    Mode specs contain commas, so configurations are given one per ``--config`` flag or ``;``-separated
+    in ``--configs``."""
     p.add_argument("--config", action="append", default=[], metavar="SPEC",
-                   help="decoding mode spec to evaluate, repeatable, e.g. --config adaptive:policy=confidence,"
-                        "threshold=0.9 (the full-depth reference 'full' is always included)")
+                   help="configuration MODE[:k=v,...][@ATTENTION] to evaluate, repeatable, e.g. --config "
+                        "adaptive:policy=confidence,threshold=0.9 or full@sparse:threshold=0.5 (the dense "
+                        "full-depth reference 'full' is always included)")
     p.add_argument("--configs", default="", metavar="SPEC;SPEC",
                    help="several mode specs separated by ';' (quote it in the shell)")
 
@@ -76,10 +78,15 @@ def config_specs(args) -> list[str]:
     from .runtime.modes import MODES, _load_plugins, parse_spec  # noqa: PLC0415
 
     _load_plugins()
-    for s in specs:  # unknown names fail here, before the model loads
-        name = parse_spec(s)[0]
+    for s in specs:  # unknown names and bad attention settings fail here, before the model loads
+        mode_spec, _, attn = s.partition("@")
+        name = parse_spec(mode_spec)[0]
         if name not in MODES:
             raise LaserLMError(f"unknown mode '{name}' in configuration '{s}'; available modes: {', '.join(sorted(MODES))}")
+        if attn:
+            from .attention import parse_attention  # noqa: PLC0415
+
+            parse_attention(attn)
     return specs
 
 
@@ -110,6 +117,9 @@ def attention_kwargs(args) -> dict:
     opts = {k: v for k, v in opts.items() if v is not None}
     if attention == "dense" and not opts:
         return {}
+    from .attention import parse_attention  # noqa: PLC0415
+
+    parse_attention(attention, **opts)  # fail on bad settings before the model loads
     return {"attention": attention, **opts}
 
 

@@ -100,6 +100,33 @@ def test_calibrated_threshold_meets_target_and_is_the_loosest_certified():
     assert "with probability >= 0.9" in cal.guarantee
 
 
+@pytest.mark.parametrize("k,n,alpha", [(2, 100, 0.05), (30, 1000, 0.05), (50, 6000, 0.01), (0, 300, 0.01)])
+def test_hoeffding_bentkus_is_a_valid_upper_bound_of_the_exact_tail(k, n, alpha):
+    from laserlm.training.thresholds import hoeffding_bentkus_p_value
+
+    exact = _exact_binom_cdf(k, n, alpha)
+    hb = hoeffding_bentkus_p_value(k / n, n, alpha)
+    chernoff = math.exp(-n * ((k / n) * math.log(max(k / n, 1e-12) / alpha)
+                              + (1 - k / n) * math.log((1 - k / n) / (1 - alpha))))
+    assert exact <= hb + 1e-15
+    assert hb == pytest.approx(min(chernoff, math.e * exact, 1.0), rel=1e-6)
+
+
+def test_perplexity_target_bounds_mean_nll_increase():
+    g = torch.Generator().manual_seed(5)
+    e, n = 2, 3000
+    probs = torch.rand(e, n, generator=g)
+    full = torch.rand(n, generator=g) * 3
+    nll = full + (1 - probs) * torch.rand(e, n, generator=g) * 2  # confident exits cost less
+    agree = torch.ones(e, n, dtype=torch.bool)
+    cal = calibrate_threshold(probs, agree, max_ppl_increase=0.05, nll=nll, full_nll=full, delta=0.1,
+                              candidates=[1.0] + torch.linspace(0.99, 0.0, 50).tolist())
+    assert cal.method == "clt" and "asymptotic" in cal.guarantee and cal.threshold is not None
+    d = position_losses(exit_decisions(probs, cal.threshold), agree, nll, full, "ppl_increase")
+    se = float(d.std()) / math.sqrt(n)
+    assert float(d.mean()) + 1.2815 * se <= math.log(1.05) + 1e-9  # one-sided 90 % normal bound
+
+
 def test_exit_decisions_first_exit_above_threshold():
     probs = torch.tensor([[0.2, 0.95, 0.5], [0.9, 0.1, 0.5], [0.1, 0.1, 0.5]])
     assert exit_decisions(probs, 0.8).tolist() == [1, 0, 3]

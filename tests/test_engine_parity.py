@@ -21,6 +21,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -209,6 +211,65 @@ def test_tiny_chunked_prefill_matches_reference():
         b = engine.forward(ids[:, 10:], logits="all").logits
         want = ref(ids).logits
     assert_close_logits(torch.cat([a, b], dim=1), want, "chunked prefill")
+
+
+# -- fast Llama-family layers (laserlm.runtime.fast_layers) are bit-identical to the modules -------
+def _tiny_qwen2():
+    cfg = Qwen2Config(**TINY, num_hidden_layers=4, use_sliding_window=True, sliding_window=WINDOW,
+                      max_window_layers=2)
+    return Qwen2ForCausalLM(cfg)
+
+
+@torch.inference_mode()
+def _logits_trace(engine: Engine, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    engine.reset()
+    outs = [engine.forward(ids, logits="all").logits]
+    token = outs[0][:, -1].argmax(-1)
+    for _ in range(steps):
+        outs.append(engine.decode_step(token).logits)
+        token = outs[-1][:, -1].argmax(-1)
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("factory", [_tiny_llama, _tiny_mistral, _tiny_qwen2], ids=["llama", "mistral", "qwen2"])
+def test_fast_layers_bit_identical(factory):
+    engine, ref = _engine_and_reference(factory)
+    assert all(id(layer) in engine._fast_ok for layer in engine.adapter.layers)
+    ids = torch.randint(0, TINY["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(4))
+    fast = _logits_trace(engine, ids, 8)
+    engine.fast_layers = False
+    slow = _logits_trace(engine, ids, 8)
+    assert torch.equal(fast, slow)
+    if factory is _tiny_qwen2:  # not covered by test_tiny_random_parity
+        engine.fast_layers = True
+        check_prefill_and_decode(engine, ref, ids, 8)
+
+
+def test_fast_layers_respect_hooks_and_other_families():
+    engine, _ = _engine_and_reference(_tiny_llama)
+    calls = []
+    handle = engine.adapter.layers[1].register_forward_hook(lambda mod, args, out: calls.append(1))
+    ids = torch.randint(0, TINY["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        engine.forward(ids, use_cache=False)
+    handle.remove()
+    assert calls == [1]  # the hooked layer ran through its module
+    gemma, _ = _engine_and_reference(_tiny_gemma3)
+    qwen3, _ = _engine_and_reference(_tiny_qwen3)
+    assert not gemma._fast_ok and not qwen3._fast_ok
+
+
+def test_smollm2_fast_layers_bit_identical(smol):
+    engine = smol.engine
+    assert len(engine._fast_ok) == engine.num_layers
+    ids = torch.tensor([smol.tokenizer(PROMPTS[3])["input_ids"]])
+    try:
+        fast = _logits_trace(engine, ids, 4)
+        engine.fast_layers = False
+        slow = _logits_trace(engine, ids, 4)
+    finally:
+        engine.fast_layers = True
+    assert torch.equal(fast, slow)
 
 
 # -- real Gemma3-270M (slow) ---------------------------------------------------------------------

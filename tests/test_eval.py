@@ -58,6 +58,16 @@ class BrokenMode(CopyMode):
         raise RuntimeError("shape mismatch in a plug-in")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One torch thread in this module: on the shared 2-core machine, 2 threads under load from other jobs
+    ran ~10x slower (OpenMP threads wait on descheduled peers); results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 register_mode("test_copy", lambda engine, **o: CopyMode())
 register_mode("test_half", lambda engine, **o: HalfMode())
 register_mode("test_broken", lambda engine, **o: BrokenMode())
@@ -210,6 +220,7 @@ def test_parsers_on_real_lines(tmp_path):
     (["--limit", "0"], "--limit must be a positive number"),
     (["--config", "nosuchmode:x=1"], "unknown mode 'nosuchmode'"),
     (["--stride", "600"], "--stride (600) cannot exceed --window (512)"),
+    (["--config", "full@sparse:nosuch=1"], "unknown sparse attention option 'nosuch'"),
 ])
 def test_cli_bad_input_one_line_exit_2(capsys, argv, message):
     assert main(["eval", *argv]) == 2
@@ -247,6 +258,7 @@ def test_lmeval_adapter_methods(smol, smol_ref):
     assert "," not in out and out.strip()
 
 
+@pytest.mark.slow
 def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
@@ -265,3 +277,17 @@ def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
     res = lm_eval.simple_evaluate(model=LaserLMHarness(smol), tasks=["laserlm_local_mc"],
                                   task_manager=TaskManager(include_path=str(tmp_path)))
     assert res["results"]["laserlm_local_mc"]["acc,none"] == 1.0
+
+
+def test_attention_part_of_a_configuration(smol):
+    from laserlm.evaluation.scoring import split_config
+
+    assert split_config("adaptive:a=1,b=2@sparse:threshold=0.5") == ("adaptive:a=1,b=2", "sparse:threshold=0.5")
+    assert split_config("full") == ("full", None)
+    before = smol.engine.kernel
+    sc = Scorer(smol.engine, "full@sparse:block_size=16")
+    assert sc.kernel is not None and smol.engine.kernel is before  # the engine is left as it was
+    assert Scorer(smol.engine, "full").kernel is None  # the reference is always dense
+    ids = smol.tokenizer("One two three four five six seven eight nine ten eleven twelve")["input_ids"]
+    r = sc.score([ids], [1])[0]
+    assert r.token_logprobs.numel() == len(ids) - 1 and torch.isfinite(r.token_logprobs).all()

@@ -310,3 +310,19 @@ def test_prefill_given_selection_equals_masked_dense(t, s, bs):
     tok = keep.repeat_interleave(bs, 1)[:, :t].repeat_interleave(bs, 2)[:, :, :s]  # [Hkv, T, S]
     ref = dense_attention(q, k, v, (tok & m).repeat_interleave(3, 0)[None], 0.25)
     assert rel(out, ref) <= 1e-5
+
+
+@pytest.mark.slow
+def test_sparse_kernel_with_speculative_mode(smol):
+    """The kernel is orthogonal to the decoding mode: with every block kept, speculative decoding over
+    the sparse kernel (decode path, cache rollbacks) emits the dense full-depth tokens."""
+    prompt = "The history of the city begins with a small fishing village on the river. " * 6
+    try:
+        dense = smol.generate(prompt, max_new_tokens=10).text
+        kernel = smol.set_attention(f"sparse:threshold={KEEP_ALL},block_size=16,dense_layers=0,min_blocks=2")
+        sparse = smol.generate(prompt, mode="speculative:draft_layers=10,k=3", max_new_tokens=10).text
+        assert kernel.totals[5]["decode_calls"] > 0 and kernel.totals[5]["prefill_calls"] > 0
+    finally:
+        smol.set_attention("dense")
+        smol.engine.reset()
+    assert sparse == dense

@@ -125,7 +125,7 @@ def parse_attention(spec, **options) -> SparseConfig | None:
     options = {k: v for k, v in options.items() if v is not None}
     if spec is None or spec == "dense":
         if options:
-            raise InvalidArgumentError(f"sparse attention options {sorted(options)} need attention='sparse'")
+            raise InvalidArgumentError(f"sparse attention options {sorted(options)} need attention='sparse' (--attention sparse)")
         return None
     if isinstance(spec, SparseConfig):
         fields = dict(spec.__dict__)

@@ -116,10 +116,14 @@ class EngineTarget:
     """A laserlm decoding mode on the shared engine, measured through ``mode.tokens``."""
 
     def __init__(self, lm, spec: str):
+        from ..evaluation.scoring import config_kernel, split_config  # noqa: PLC0415  (config syntax only)
+
         self.lm, self.name = lm, spec
-        self.mode = make_mode(spec, lm.engine)
+        self.kernel = config_kernel(lm.engine, spec)
+        self.mode = make_mode(split_config(spec)[0], lm.engine)
 
     def _events(self, ids, n):
+        self.lm.engine.kernel = self.kernel
         greedy = SamplingParams(max_new_tokens=n, temperature=0.0)
         with torch.inference_mode():
             return list(self.mode.tokens(self.lm.engine, ids, greedy, n))

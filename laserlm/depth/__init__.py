@@ -82,7 +82,7 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
     )
     bridge = opts.pop("bridge", "propagate")
     patience = _num(opts, "patience", int, 3)
-    ats_layer = _num(opts, "ats_layer", int)
+    ats_layer = _num(opts, "ats_layer", int, file_cfg.get("ats_layer"))
     score = opts.pop("score", None)
     _reject_unknown("adaptive", opts, ADAPTIVE_OPTIONS)
     return AdaptiveDepth(engine, groups, policy, make_bridge(bridge), patience=patience,

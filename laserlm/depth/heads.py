@@ -160,7 +160,7 @@ def model_fingerprint(engine, n: int = 32) -> list[float]:
     """``n`` embedding weights at fixed strided indices (float): tells models with equal shapes apart,
     tolerant to dtype rounding."""
     w = engine.adapter.embed_tokens.weight.detach().reshape(-1)
-    idx = torch.linspace(0, w.numel() - 1, n).long()
+    idx = torch.linspace(0, w.numel() - 1, n, dtype=torch.float64).long()
     return [float(x) for x in w[idx].float()]
 
 

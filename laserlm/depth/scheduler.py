@@ -238,6 +238,30 @@ class AdaptiveDepth:
                     head_evals=head_evals, deferred_layers=deferred_layers, compute_layers=b + deferred_layers)
         return logits, info
 
+    def _boundary_states(self, engine, ids):
+        """Full-depth batched forward of ``ids [T]``: hidden ``[T, d]`` at every group boundary, final logits
+        ``[T, V]`` and the ATS layer's probs. When ``engine._depth_replay_memo`` is a dict (opt-in, for sweeps
+        that replay the same text under many policies with frozen weights) results are memoised there."""
+        bounds = self.groups.bounds
+        memo = engine.__dict__.get("_depth_replay_memo")
+        key = (ids.numpy().tobytes(), bounds, self.ats_layer)
+        if memo is not None and key in memo:
+            return memo[key]
+        h, st = engine.begin(ids.unsqueeze(0), use_cache=False)
+        if self.ats_layer is not None:
+            st.ctx.want_probs = frozenset({self.ats_layer})
+        hs = {0: h[0]}
+        for a, b in bounds:
+            h = engine.run_layers(a, b, h, st)
+            hs[b] = h[0]
+        final = engine.head(h)[0]
+        probs = st.ctx.probs.get(self.ats_layer) if self.ats_layer is not None else None
+        if memo is not None:
+            if len(memo) >= 8:
+                memo.pop(next(iter(memo)))
+            memo[key] = (hs, final, probs)
+        return hs, final, probs
+
     @torch.inference_mode()
     def replay_score(self, engine, input_ids) -> ScoreOutput:
         """Teacher-forced score of the ``deferred`` bridge by replay: one batched full-depth forward keeps the
@@ -250,15 +274,7 @@ class AdaptiveDepth:
         L = engine.num_layers
         bounds = self.groups.bounds
         self.reset(engine)
-        h, st = engine.begin(ids.unsqueeze(0), use_cache=False)
-        if self.ats_layer is not None:
-            st.ctx.want_probs = frozenset({self.ats_layer})
-        hs = {0: h[0]}
-        for a, b in bounds:
-            h = engine.run_layers(a, b, h, st)
-            hs[b] = h[0]
-        final = engine.head(h)[0]
-        probs = st.ctx.probs.get(self.ats_layer) if self.ats_layer is not None else None
+        hs, final, probs = self._boundary_states(engine, ids)
         out = final.clone()
         layers = torch.full((t,), float(L))
         self.last_infos = []

@@ -63,19 +63,50 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return whole, start
 
 
+_KEEP = object()
+
+
+def split_config(config: str) -> tuple[str, str | None]:
+    """``"MODE_SPEC[@ATTENTION]"`` -> ``(mode_spec, attention_spec or None)``, e.g.
+    ``"full@sparse:threshold=0.5"`` -> ``("full", "sparse:threshold=0.5")``."""
+    mode, sep, attn = config.partition("@")
+    return mode, (attn if sep else None)
+
+
+def config_kernel(engine, config: str, default=_KEEP):
+    """The attention kernel a configuration runs with: its ``@ATTENTION`` part (block-sparse attention,
+    :func:`laserlm.attention.kernel.configure`), else ``default`` (``_KEEP``: the engine's current kernel).
+    The reference ``"full"`` always runs dense. The engine's kernel is left unchanged."""
+    _, attn = split_config(config)
+    if attn is None:
+        return None if config == "full" else (engine.kernel if default is _KEEP else default)
+    from ..attention.kernel import configure  # noqa: PLC0415
+
+    saved = engine.kernel
+    try:
+        return configure(engine, attn)
+    finally:
+        engine.kernel = saved
+
+
 class Scorer:
-    """Scores token sequences with one decoding mode on one engine.
+    """Scores token sequences with one configuration (decoding mode + attention kernel) on one engine.
 
     Args:
         engine: a :class:`~laserlm.runtime.engine.Engine`.
-        mode: a decoding-mode object or spec string.
+        mode: a decoding-mode object, or a configuration string ``MODE_SPEC[@ATTENTION]``.
         batch: right-pad and batch sequences for the full-depth mode (exact; False = one call each).
     """
 
     def __init__(self, engine, mode, batch: bool = True):
         self.engine = engine
-        self.mode = make_mode(mode, engine)
+        self.kernel = config_kernel(engine, mode) if isinstance(mode, str) else engine.kernel
+        self.mode = make_mode(split_config(mode)[0] if isinstance(mode, str) else mode, engine)
         self.fast = batch and isinstance(self.mode, FullDepth)
+
+    def activate(self) -> None:
+        """Install this configuration's attention kernel on the engine (call before generating with it)."""
+        self.engine.kernel = self.kernel
 
     def _check_len(self, ids) -> None:
         if len(ids) - 1 > self.engine.max_seq_len:
@@ -84,6 +115,7 @@ class Scorer:
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``input_ids [T]`` -> ``(logits [T, V] float32, layers [T])`` through the mode."""
+        self.activate()
         out = self.mode.score(self.engine, input_ids)
         return out.logits.float(), out.layers
 
@@ -96,6 +128,7 @@ class Scorer:
         """
         for s in seqs:
             self._check_len(s)
+        self.activate()
         if self.fast and len(seqs) > 1:
             return self._score_batched(seqs, starts)
         out = []

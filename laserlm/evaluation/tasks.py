@@ -115,6 +115,7 @@ class Evaluator:
         self._argmax_cache: dict[tuple[str, int], torch.Tensor] = {}
         for name in self.scorers:
             if name != REFERENCE:
+                self.scorers[name].activate()
                 check_runnable(lm, name, self.scorers[name].mode)
 
     @property
@@ -267,6 +268,7 @@ class Evaluator:
         gens = {}
         for name in self.names:
             mode = self.scorers[name].mode
+            self.scorers[name].activate()
             gens[name] = [self.lm.generate(p, chat=chat, mode=mode, max_new_tokens=self.s.gen_tokens,
                                            temperature=0.0).token_ids
                           for p in self._bar(prompts, f"generate [{name}]")]

@@ -20,6 +20,7 @@ from ..errors import ContextLengthError, InvalidArgumentError
 from ..models.adapters import ModelAdapter, get_adapter
 from ..models.loader import LoadedModel, load_model
 from . import attention as attn
+from . import fast_layers
 from .kv_cache import KVCache
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -103,6 +104,10 @@ class Engine:
         self.cache = KVCache(a.num_layers, batch_size, a.num_kv_heads, a.head_dim, max_seq_len, self.dtype)
         self._rope_tables = None
         self.kernel = None  # optional attention kernel (block-sparse attention), see attention.py
+        # Llama-family layers run through fast_layers.fast_layer (bit-identical, less dispatch overhead);
+        # set engine.fast_layers = False to always call the transformers layers
+        self.fast_layers = True
+        self._fast_ok = {id(layer) for layer in a.layers if fast_layers.supports_fast_path(layer)}
 
     @classmethod
     def from_pretrained(cls, name: str, dtype: str = "float32", max_seq_len: int | None = None,
@@ -177,18 +182,20 @@ class Engine:
 
     def run_layer(self, i: int, hidden: torch.Tensor, state: StepState) -> torch.Tensor:
         """Run decoder layer ``i`` on ``hidden [B, T, d]`` (writes its K/V to the cache)."""
-        layer = self.adapter.layers[i]
-        with attn.attention_context(state.ctx):
-            return layer(hidden, attention_mask=None, position_ids=state.position_ids,
-                         cache=self.cache if state.use_cache else None,
-                         position_embeddings=state.rope[self.adapter.layer_types[i]])
+        return self.run_layers(i, i + 1, hidden, state)
 
     def run_layers(self, start: int, stop: int, hidden: torch.Tensor, state: StepState) -> torch.Tensor:
         """Run decoder layers ``start .. stop-1``; ``hidden [B, T, d]`` in and out."""
         layers, types, cache = self.adapter.layers, self.adapter.layer_types, self.cache if state.use_cache else None
+        fast = self._fast_ok if self.fast_layers and not fast_layers.hooks_active() else None
         with attn.attention_context(state.ctx):
             for i in range(start, stop):
-                hidden = layers[i](hidden, attention_mask=None, position_ids=state.position_ids, cache=cache,
+                layer = layers[i]
+                if fast is not None and id(layer) in fast and not (layer._forward_hooks or layer._forward_pre_hooks):
+                    cos, sin = state.rope[types[i]]
+                    hidden = fast_layers.fast_layer(layer, hidden, cos, sin, cache)
+                else:
+                    hidden = layer(hidden, attention_mask=None, position_ids=state.position_ids, cache=cache,
                                    position_embeddings=state.rope[types[i]])
         return hidden
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,39 +29,16 @@ from .router import DynamicRouter
 
 ARTIFACT_FORMAT_VERSION = FORMAT_VERSION
 
-
-def _exact_fingerprint(engine, n: int = 32) -> list[float]:
-    w = engine.adapter.embed_tokens.weight.detach().reshape(-1)
-    idx = torch.linspace(0, w.numel() - 1, n, dtype=torch.float64).long()
-    return [float(x) for x in w[idx].float()]
-
-
-def _patch_fingerprint() -> None:
-    """Work around an off-by-one in ``laserlm.depth.heads.model_fingerprint`` (float32 ``linspace`` rounds the
-    last index of a 28.3M-element embedding up to ``numel``, an IndexError on SmolLM2). Applied only while
-    that bug is present; remove once the depth package computes the indices in float64."""
-    from ..depth import heads as dh  # noqa: PLC0415
-
-    if getattr(dh.model_fingerprint, "_laserlm_fixed", False):
-        return
-    probe = torch.linspace(0, 28311551, 32).long()
-    if int(probe[-1]) != 28311551:
-        _exact_fingerprint._laserlm_fixed = True
-        dh.model_fingerprint = _exact_fingerprint
-
-
-_patch_fingerprint()
-
-_HASH_CACHE: dict[int, str] = {}
+_HASH_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> hash
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over ``name, shape, bfloat16 bytes`` of every parameter and buffer-free weight, in order.
+    """SHA-256 over ``name, shape, bfloat16 bytes`` of every parameter in order (tied weights once).
 
     bfloat16 rounding makes float32 and bfloat16 loads of the same checkpoint hash equal. ~1 s for
     135M parameters; cached per model object.
     """
-    key = id(model)
+    key = model
     if key in _HASH_CACHE:
         return _HASH_CACHE[key]
     h = hashlib.sha256()

@@ -11,7 +11,7 @@ from ..errors import InvalidArgumentError
 
 EPILOG = """\
 defaults and sources:
-  head stage     Adam LR 1e-3, 250 steps of 256 positions (DESIGN.md tuned-lens anchor; Belrose et al. 2023)
+  head stage     Adam LR 1e-3, 250 steps of 128 positions (DESIGN.md tuned-lens anchor; Belrose et al. 2023)
   gate stage     AdamW LR 1e-2, 400 steps, focal loss gamma 2 (Lin et al. 2017; seed 004)
   joint stage    off by default; LR 3e-5 with linear warm-up, clip 1.0, exit-threshold decay 0.95/epoch (seed 004)
   min depth      a quarter of the layers (seed); groups of 5 layers (seed: micro-layer groups)
@@ -87,7 +87,7 @@ def add_parser(subparsers) -> None:
                    help="exit-head training steps (default: %(default)s)")
     p.add_argument("--head-lr", type=_positive(float, "--head-lr"), default=1e-3,
                    help="exit-head Adam learning rate (default: %(default)s; backbone frozen)")
-    p.add_argument("--batch-tokens", type=_positive(int, "--batch-tokens"), default=256,
+    p.add_argument("--batch-tokens", type=_positive(int, "--batch-tokens"), default=128,
                    help="positions per head-training step (default: %(default)s)")
     p.add_argument("--gate-steps", type=_positive(int, "--gate-steps", True), default=400,
                    help="gate training steps per exit point (default: %(default)s)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +28,8 @@ from .gates import GateTrainConfig, auroc, gate_probabilities, make_gates, train
 from .heads import make_exit_heads
 from .router import DynamicRouter, collect_router_data, train_router
 from .thresholds import calibrate_threshold, candidate_thresholds, exit_decisions, position_losses
-from .train import HeadTrainConfig, JointTrainConfig, compute_exit_outputs, joint_finetune, train_heads
+from .train import (ExitOutputs, HeadTrainConfig, JointTrainConfig, compute_exit_outputs, joint_finetune,
+                    train_heads)
 
 
 @dataclass
@@ -92,7 +94,7 @@ class CalibrateConfig:
 
 def _say(msg: str, progress: bool) -> None:
     if progress:
-        tqdm.write(f"laserlm: {msg}")
+        tqdm.write(f"laserlm: {msg}", file=sys.stderr)
 
 
 def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: bool = True,
@@ -127,7 +129,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
         if old != json.loads(json.dumps(key)):
             raise InvalidArgumentError(f"--resume: {work} was made with different settings; remove it or drop --resume")
     elif not resume:
-        for name in ("states", "heads", "gates", "joint", "router"):
+        for name in ("states", "heads", "gates", "joint", "router", "outputs"):
             (work / f"{name}.pt").unlink(missing_ok=True)
     key_file.write_text(json.dumps(key, indent=2))
     timings = {}
@@ -172,6 +174,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     # 3. gates -----------------------------------------------------------------------------------
     t0 = time.perf_counter()
     gates = make_gates(engine.config.hidden_size, exits, cfg.use_ats)
+    g_out = None
     if (p := stage("gates")) is not None:
         gates.load_state_dict(torch.load(p))
         _say("resume: exit gates loaded", progress)
@@ -229,10 +232,19 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
 
     # 6. thresholds ------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    c_out = compute_exit_outputs(heads, teacher, calib, L)
+    if (p := stage("outputs")) is not None:  # exit-head outputs of the fixed modules: reuse for a new target
+        cached = torch.load(p)
+        c_out, g_out, before, after = (ExitOutputs(**cached[k]) for k in ("calib", "gate", "before", "after"))
+    else:
+        c_out = compute_exit_outputs(heads, teacher, calib, L)
+        if g_out is None or cfg.joint.epochs > 0:  # heads changed since the gate stage
+            g_out = compute_exit_outputs(heads, teacher, gate_split, L)
+        before = compute_exit_outputs(None, teacher, held, L)
+        after = compute_exit_outputs(heads, teacher, held, L)
+        torch.save({k: asdict(v) for k, v in (("calib", c_out), ("gate", g_out), ("before", before),
+                                              ("after", after))}, work / "outputs.pt")
     stack = lambda d: torch.stack([d[e] for e in exits])  # noqa: E731
     c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)
-    g_out = compute_exit_outputs(heads, teacher, gate_split, L)
     cands = candidate_thresholds(gate_probabilities(gates, gate_split.hidden, g_out.scalars, exits))
     cal = calibrate_threshold(c_probs, stack(c_out.agree), target_agreement=cfg.target_agreement,
                               max_ppl_increase=cfg.max_ppl_increase, nll=stack(c_out.nll), full_nll=c_out.full_nll,
@@ -240,8 +252,6 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     timings["thresholds_s"] = time.perf_counter() - t0
 
     # 7. summary on the held-out split -----------------------------------------------------------
-    before = compute_exit_outputs(None, teacher, held, L)
-    after = compute_exit_outputs(heads, teacher, held, L)
     h_probs = gate_probabilities(gates, held.hidden, after.scalars, exits)
     dec = exit_decisions(h_probs, cal.threshold)
     kind = "agreement" if cfg.target_agreement is not None else "ppl_increase"

@@ -33,7 +33,7 @@ class HeadTrainConfig:
     """Head stage (stage 1). ``lr`` 1e-3 / 250 steps: DESIGN.md tuned-lens anchor; clip 1.0: seed 004."""
 
     steps: int = 250
-    batch_tokens: int = 256
+    batch_tokens: int = 128  # 256 ran several times slower per position on the shared 2-core machine
     lr: float = 1e-3
     weight_decay: float = 0.0
     warmup_steps: int = 0
