@@ -189,22 +189,52 @@ def bench_throughput(model: str, dtype: str, reps: int, impls: list[str]) -> dic
 
 
 def child_memory(model: str, dtype: str, impl: str) -> None:
-    """One pp512 + tg128 run of one implementation; prints peak RSS (bytes) as JSON."""
-    torch.set_num_threads(2)
-    r = Runner(model, dtype, ["hf"] if impl == "hf" else [])
+    """One pp512 + tg128 run of one implementation in this (fresh) process; prints JSON with the peak RSS
+    of the whole process (``ru_maxrss``, includes loading), the RSS after loading and the highest RSS
+    sampled every 5 ms while pp512 + tg128 ran (bytes)."""
+    import threading
+
+    import psutil
+
+    torch.set_num_threads(1)
+    proc = psutil.Process()
     if impl == "hf":
-        del r.engine, r.lm  # the engine copy is not part of the transformers footprint
-        r.hf_pp(), r.hf_tg()
+        from transformers import AutoModelForCausalLM
+
+        from laserlm.models.loader import DTYPES, resolve
+
+        r = Runner.__new__(Runner)
+        r.hf = AutoModelForCausalLM.from_pretrained(resolve(model), dtype=DTYPES[dtype],
+                                                    attn_implementation="sdpa").eval()
+        r.vocab = r.hf.config.vocab_size
+        r.pp_ids, r.tg_ids = _prompt(r.vocab, PP), _prompt(r.vocab, 1, seed=1)
+        run = lambda: (r.hf_pp(), r.hf_tg())  # noqa: E731
     else:
-        r.engine_pp(), r.engine_tg()
+        r = Runner(model, dtype, [])
+        run = lambda: (r.engine_pp(), r.engine_tg())  # noqa: E731
+    after_load = proc.memory_info().rss
+    peak = [after_load]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    run()
+    done.set()
+    t.join()
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_rss_bytes": rss_kib * 1024}))
+    print(json.dumps({"peak_rss_bytes": rss_kib * 1024, "rss_after_load_bytes": after_load,
+                      "peak_rss_during_run_bytes": peak[0]}))
 
 
-def peak_memory(model: str, dtype: str, impl: str) -> int:
+def peak_memory(model: str, dtype: str, impl: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child-memory", impl, "--model", model, "--dtypes", dtype],
                          capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_bytes"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def machine() -> dict:
@@ -230,7 +260,9 @@ def markdown(results: list[dict]) -> str:
             "| engine / generate (median of per-rep ratios) |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for dtype, res in r["by_dtype"].items():
-            tps = res["tokens_per_s"]
+            tps = res.get("tokens_per_s")
+            if not tps:
+                continue
             for test in (f"pp{PP}", f"tg{TG}"):
                 def cell(impl):
                     v = tps.get(f"{impl}/{test}")
@@ -269,8 +301,10 @@ def main(argv=None) -> int:
               "machine": machine(), "reps": args.reps, "by_dtype": {}}
     for dtype in args.dtypes:
         print(f"{args.model} {dtype}", file=sys.stderr)
-        res = bench_throughput(args.model, dtype, args.reps, args.impls)
-        if not args.no_memory:
+        res = bench_throughput(args.model, dtype, args.reps, args.impls) if args.reps > 0 else {}
+        if args.reps == 0:  # memory only
+            res["peak_rss_bytes"] = {impl: peak_memory(args.model, dtype, impl) for impl in ("engine", "hf")}
+        if not args.no_memory and args.reps > 0:
             res["peak_rss_bytes"] = {impl: peak_memory(args.model, dtype, impl) for impl in ("engine", "hf")}
         result["by_dtype"][dtype] = res
     result["machine"]["loadavg_end"] = os.getloadavg()

@@ -90,6 +90,17 @@ def config_specs(args) -> list[str]:
     return specs
 
 
+def global_attention_config(args, specs: list[str]) -> list[str]:
+    """With ``--attention sparse ...`` on ``eval`` / ``bench`` the reference ``full`` stays dense; when no
+    other configuration is given, ``full@<that attention>`` is added so the flag is measured, not ignored."""
+    kw = attention_kwargs(args)
+    if not kw or any(s != "full" for s in specs):
+        return specs
+    name = kw.pop("attention")
+    attn = f"{name}:" + ",".join(f"{k}={v}" for k, v in kw.items()) if kw else name
+    return specs + [f"full@{attn}"]
+
+
 def apply_threads(args) -> None:
     if getattr(args, "threads", None) is not None:  # 0 is an error, not "unset"
         import torch  # noqa: PLC0415

@@ -100,7 +100,7 @@ def test_calibrated_threshold_meets_target_and_is_the_loosest_certified():
     assert "with probability >= 0.9" in cal.guarantee
 
 
-@pytest.mark.parametrize("k,n,alpha", [(2, 100, 0.05), (30, 1000, 0.05), (50, 6000, 0.01), (0, 300, 0.01)])
+@pytest.mark.parametrize("k,n,alpha", [(2, 100, 0.05), (30, 1000, 0.05), (12, 2000, 0.01), (0, 300, 0.01)])
 def test_hoeffding_bentkus_is_a_valid_upper_bound_of_the_exact_tail(k, n, alpha):
     from laserlm.training.thresholds import hoeffding_bentkus_p_value
 
@@ -186,7 +186,7 @@ def test_training_reduces_held_out_kl(smol, smol_states):
     before = compute_exit_outputs(heads, smol.engine.head, held, 30)  # identity adapter = logit lens
     plain = compute_exit_outputs(None, smol.engine.head, held, 30)
     torch.testing.assert_close(before.kl[20], plain.kl[20], rtol=1e-4, atol=1e-4)
-    curve = train_heads(heads, smol.engine.head, train, HeadTrainConfig(steps=30, batch_tokens=128), progress=False)
+    curve = train_heads(heads, smol.engine.head, train, HeadTrainConfig(steps=20, batch_tokens=128), progress=False)
     after = compute_exit_outputs(heads, smol.engine.head, held, 30)
     kl0, kl1 = float(before.kl[20].mean()), float(after.kl[20].mean())
     assert kl1 < 0.7 * kl0, (kl0, kl1)
@@ -372,11 +372,11 @@ def test_route_label_equals_regenerating_with_the_exit_head(smol):
 
     eng = smol.engine
     toks = load_text_tokens(smol.tokenizer, max_tokens=200)
-    for prompt, exits in ((toks[:16], [26]), (toks[100:112], [29])):
-        cont = greedy_continuation(eng, prompt, 3)
+    for prompt, exits in ((toks[:12], [28]),):
+        cont = greedy_continuation(eng, prompt, 2)
         gen = prompt.clone()
         with torch.inference_mode():
-            for _ in range(3):  # brute force: re-run the whole sequence through the first layers, no cache
+            for _ in range(2):  # brute force: re-run the whole sequence through the first layers, no cache
                 h, st = eng.begin(gen.unsqueeze(0), use_cache=False)
                 h = eng.run_layers(0, exits[0], h, st)
                 gen = torch.cat([gen, eng.head(h)[0, -1].argmax().reshape(1)])

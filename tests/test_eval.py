@@ -258,7 +258,6 @@ def test_lmeval_adapter_methods(smol, smol_ref):
     assert "," not in out and out.strip()
 
 
-@pytest.mark.slow
 def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager

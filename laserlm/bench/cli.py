@@ -7,7 +7,7 @@ import importlib.util
 import json
 import sys
 
-from ..cli import add_config_args, add_model_args, config_specs, load_from_args
+from ..cli import add_config_args, add_model_args, config_specs, global_attention_config, load_from_args
 from ..errors import InvalidArgumentError, LaserLMError
 
 TESTS = ("pp", "tg", "gen")
@@ -78,7 +78,7 @@ def _validate(args) -> list[str]:
 
 def cmd_bench(args) -> int:
     tests = _validate(args)
-    specs = config_specs(args)
+    specs = global_attention_config(args, config_specs(args))
     lm = load_from_args(args)
     import torch  # noqa: PLC0415
 

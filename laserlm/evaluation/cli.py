@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from ..cli import add_config_args, add_model_args, config_specs, load_from_args
+from ..cli import add_config_args, add_model_args, config_specs, global_attention_config, load_from_args
 from ..errors import InvalidArgumentError
 from .data import task_paths
 from .tasks import TASKS, EvalSettings, Evaluator
@@ -57,7 +57,7 @@ def parse_tasks(text: str) -> list[str]:
 
 def cmd_eval(args) -> int:
     tasks = parse_tasks(args.tasks)
-    specs = config_specs(args)
+    specs = global_attention_config(args, config_specs(args))
     if args.limit is not None and args.limit < 1:
         raise InvalidArgumentError(f"--limit must be a positive number of items, got {args.limit}")
     for name, v, lo in (("--window", args.window, 2), ("--stride", args.stride, 1),

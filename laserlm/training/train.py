@@ -39,7 +39,7 @@ class HeadTrainConfig:
     warmup_steps: int = 0
     grad_clip: float = 1.0
     seed: int = 0
-    bf16_head: bool = True  # LM-head matmuls of training steps in bfloat16 (AMX); evaluation stays float32
+    bf16_head: bool = True  # LM-head matmuls of training steps in bfloat16; evaluation stays float32
 
     def validate(self) -> HeadTrainConfig:
         _check_positive("steps", self.steps, allow_zero=True)
@@ -98,7 +98,7 @@ class Bf16Logits:
     """Final norm + LM head (+ soft cap) with a bfloat16 copy of the LM-head weight, made once.
 
     The LM head (``V x d`` = 49152 x 576 on SmolLM2) dominates a head-training step; in bfloat16 the
-    matmuls use AMX and run ~2x faster here. ``__call__(hidden [.., d]) -> [.., V]`` float32.
+    matmuls run ~2x faster here (AVX512-BF16). ``__call__(hidden [.., d]) -> [.., V]`` float32.
     """
 
     def __init__(self, model_adapter):
