@@ -136,13 +136,14 @@ def attention_kwargs(args) -> dict:
 
 def laser_mode_spec(mode: str, laser: str) -> str:
     """``--laser PATH``: ``full`` becomes ``adaptive:laser=PATH,patience=0`` (the setting the calibration's
-    guarantee is about); an ``adaptive`` spec gets ``laser=PATH`` added; other modes are an error."""
+    guarantee is about); an ``adaptive`` or ``speculative`` spec gets ``laser=PATH`` added (speculative drafts
+    with the file's exit head); other modes are an error."""
     name, _, rest = mode.partition(":")
     if name == "full" and not rest:
         return f"adaptive:laser={laser},patience=0"
-    if name != "adaptive":
-        raise LaserLMError(f"--laser works with the adaptive mode, not '{name}'")
-    return f"adaptive:{rest},laser={laser}" if rest else f"adaptive:laser={laser}"
+    if name not in ("adaptive", "speculative"):
+        raise LaserLMError(f"--laser works with the adaptive mode and the speculative mode, not '{name}'")
+    return f"{name}:{rest},laser={laser}" if rest else f"{name}:laser={laser}"
 
 
 # -- generate -----------------------------------------------------------------------------------
@@ -154,7 +155,7 @@ def _add_generate(sub) -> None:
     add_mode_args(p)
     p.add_argument("--laser", default=None, metavar="PATH",
                    help="calibration artifact from `laserlm calibrate`: runs the adaptive mode with its trained exit "
-                        "heads, gates and calibrated threshold (adds laser=PATH to an adaptive --mode)")
+                        "heads, gates and calibrated threshold (adds laser=PATH to an adaptive or speculative --mode)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--max-tokens", "-n", type=int, default=128, dest="max_new_tokens",
                    help="maximum new tokens (default: %(default)s)")

@@ -394,8 +394,9 @@ def test_generate_laser_option_builds_the_adaptive_spec():
 
     assert laser_mode_spec("full", "a.st") == "adaptive:laser=a.st,patience=0"
     assert laser_mode_spec("adaptive:bridge=deferred", "a.st") == "adaptive:bridge=deferred,laser=a.st"
+    assert laser_mode_spec("speculative:k=4", "a.st") == "speculative:k=4,laser=a.st"
     with pytest.raises(LaserLMError, match="works with the adaptive mode"):
-        laser_mode_spec("speculative:k=4", "a.st")
+        laser_mode_spec("static:layers=20", "a.st")
 
 
 # -- the whole pipeline on a tiny random model (fast) -------------------------------------------------

@@ -409,3 +409,126 @@ def test_auto_without_data_is_a_clear_error(smol, monkeypatch, tmp_path):
     monkeypatch.setattr(cal, "DATA_DIR", tmp_path)
     with pytest.raises(InvalidArgumentError, match="auto calibration needs WikiText-2 valid text"):
         make_mode("speculative:draft_layers=auto", smol.engine)
+
+
+# -- laser=PATH: draft with a calibrated exit head from a laser file (issue #6) ----------------------
+LASER_EXIT = 16  # exit layer of the test laser file (smollm2 has 30 layers)
+
+
+def _laser_head(engine, scale: float, seed: int = 0):
+    """ExitHead with an identity-initialised affine adapter, then perturbed by ``scale`` * N(0, 1/d)."""
+    from laserlm.depth.heads import ExitHead
+
+    head = ExitHead(engine.adapter, "affine")
+    d = engine.config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        head.proj.weight.add_(scale * torch.randn(d, d, generator=g) / d ** 0.5)
+        head.proj.bias.add_(scale * torch.randn(d, generator=g))
+    return head
+
+
+def _write_laser(engine, path, heads: dict):
+    from laserlm.depth.heads import LaserArtifact, save_laser_file
+
+    return save_laser_file(path, engine, LaserArtifact(heads=heads))
+
+
+@pytest.fixture(scope="module")
+def laser_files(smol, tmp_path_factory):
+    """``{"perturbed", "identity", "two"}`` -> laser files for smollm2 (heads at LASER_EXIT; "two": 8 and 20)."""
+    d = tmp_path_factory.mktemp("laser")
+    e = smol.engine
+    return {"perturbed": _write_laser(e, d / "perturbed.safetensors", {LASER_EXIT: _laser_head(e, 0.5)}),
+            "identity": _write_laser(e, d / "identity.safetensors", {LASER_EXIT: _laser_head(e, 0.0)}),
+            "two": _write_laser(e, d / "two.safetensors", {8: _laser_head(e, 0.0), 20: _laser_head(e, 0.0)})}
+
+
+def _draft_trace(smol, spec, prompt, n=20):
+    """(tokens, per-cycle (drafted, accepted), mode) of a greedy speculative run."""
+    mode = make_mode(spec, smol.engine)
+    run = mode.tokens(smol.engine, torch.tensor(_prompt_ids(smol, prompt)),
+                      SamplingParams(max_new_tokens=n, ignore_eos=True), n)
+    events = list(run)
+    cycles = [(ev.info["drafted"], ev.info["accepted"]) for ev in events if ev.info.get("kind") != "prefill"]
+    return [ev.token_id for ev in events], cycles, mode
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2]], ids=["p0", "p2"])
+def test_laser_draft_greedy_identical_to_full_depth(smol, smol_ref, laser_files, prompt):
+    from laserlm.depth.heads import ExitHead
+
+    spec = f"speculative:laser={laser_files['perturbed']},draft_layers={LASER_EXIT},k=2"
+    tokens, _, mode = _draft_trace(smol, spec, prompt)
+    assert isinstance(mode.exit_head, ExitHead) and mode.draft_layers == LASER_EXIT
+    assert mode.config()["exit_head"] == f"laser:perturbed.safetensors@{LASER_EXIT}"
+    assert tokens == _reference(smol, smol_ref, prompt, 20)
+
+
+def test_laser_draft_uses_the_files_head(smol, laser_files):
+    """Spy on the file's head: it is called once per drafted token on layer-LASER_EXIT hidden states
+    [1, 1, d], and its (perturbed) drafts differ from what the raw LM head would draft from the same states."""
+    mode = make_mode(f"speculative:laser={laser_files['perturbed']},k=3,draft_layers={LASER_EXIT}", smol.engine)
+    calls = []
+    hook = mode.exit_head.register_forward_hook(lambda mod, inp, out: calls.append((inp[0].clone(), out.clone())))
+    try:
+        run = mode.tokens(smol.engine, torch.tensor(_prompt_ids(smol, PROMPTS[2])),
+                          SamplingParams(max_new_tokens=8, ignore_eos=True), 8)
+        list(run)
+    finally:
+        hook.remove()
+    assert len(calls) == run.stats.drafted > 0
+    assert all(h.shape == (1, 1, smol.engine.config.hidden_size) for h, _ in calls)
+    with torch.inference_mode():
+        raw = [int(smol.engine.head(h)[0, -1].argmax()) for h, _ in calls]
+    ours = [int(out[0, -1].argmax()) for _, out in calls]
+    assert sum(a != b for a, b in zip(ours, raw)) >= len(calls) // 4
+
+
+def test_laser_default_draft_layers_is_the_exit_closest_to_half_depth(smol, laser_files):
+    mode = make_mode(f"speculative:laser={laser_files['two']},k=2", smol.engine)
+    assert mode.draft_layers == 20  # |20 - 15| < |8 - 15|
+    mode = make_mode(f"speculative:laser={laser_files['two']},draft_layers=8", smol.engine)
+    assert mode.draft_layers == 8 and mode.exit_head is not None
+
+
+def test_laser_missing_exit_layer_lists_the_available_ones(smol, laser_files):
+    with pytest.raises(InvalidArgumentError, match=r"no exit head at draft_layers=12; its exit layers are: 8, 20$"):
+        make_mode(f"speculative:laser={laser_files['two']},draft_layers=12", smol.engine)
+    with pytest.raises(InvalidArgumentError, match="draft_layers=auto is not supported with laser="):
+        make_mode(f"speculative:laser={laser_files['two']},draft_layers=auto", smol.engine)
+    with pytest.raises(InvalidArgumentError, match=r"draft_layers must be an integer in \[1, 29\]"):
+        make_mode(f"speculative:laser={laser_files['two']},draft_layers=30", smol.engine)
+
+
+def test_laser_missing_file_is_a_clear_error(smol, tmp_path):
+    from laserlm.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="laser file not found: .*nope.safetensors"):
+        make_mode(f"speculative:laser={tmp_path / 'nope.safetensors'}", smol.engine)
+
+
+def test_laser_file_for_another_model_is_rejected(smol, laser_files, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(laser_files["identity"]), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    config = json.loads(meta["laserlm"])
+    config["identity"].update({"name": "gemma3-270m", "model_type": "gemma3_text", "num_hidden_layers": 18})
+    other = tmp_path / "other.safetensors"
+    save_file(tensors, str(other), metadata={"laserlm": json.dumps(config)})
+    with pytest.raises(InvalidArgumentError, match=r"was made for another model \(gemma3-270m: .*num_hidden_layers=18"):
+        make_mode(f"speculative:laser={other},draft_layers={LASER_EXIT}", smol.engine)
+
+
+def test_generate_laser_option_with_speculative_mode(smol, laser_files, capsys, monkeypatch):
+    from laserlm import cli
+
+    monkeypatch.setattr(cli, "load_from_args", lambda args: smol)  # the CLI wiring, without a second model load
+    rc = cli.main(["generate", "The capital of France is", "-n", "8", "--json", "--laser", str(laser_files["two"]),
+               "--mode", "speculative:draft_layers=8,k=2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["mode"] == f"speculative:draft_layers=8,k=2,laser={laser_files['two']}"
+    assert out["speculative"]["exit_head"] == "laser:two.safetensors@8" and out["speculative"]["drafted"] > 0

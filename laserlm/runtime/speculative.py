@@ -37,6 +37,14 @@ full depth (the mode is lossless, so its logits *are* the full model's).
 Spec: ``speculative:draft_layers=12,k=4,threshold=0.5[,reuse=1]``; ``draft_layers``, ``k`` and
 ``threshold`` also take ``auto`` (``auto=1`` sets every option not given to ``auto``): a short
 calibration on local validation text picks them (see :mod:`laserlm.runtime.speculative_calibration`).
+
+``laser=PATH`` (issue #6) drafts with the calibrated exit head (tuned-lens adapter + final norm + LM
+head, :class:`laserlm.depth.heads.ExitHead`) stored in a laser file (``laserlm calibrate --output``)
+at exactly the draft depth. Without ``draft_layers`` the draft depth is the file's exit point closest
+to the default depth ``L // 2`` (the shallower one on a tie); a ``draft_layers`` for which the file
+has no head is an error listing the file's exit layers (a head trained for another depth is not
+used: its adapter maps another layer's hidden states). ``draft_layers=auto`` is not supported with
+``laser=`` (the file fixes the candidate depths); ``k`` and ``threshold`` may still be ``auto``.
 """
 
 from __future__ import annotations
@@ -330,19 +338,64 @@ class SpeculativeRun:
 
 
 # -- spec-string factory --------------------------------------------------------------------------
-OPTIONS = ("draft_layers", "k", "threshold", "reuse", "auto")
+OPTIONS = ("draft_layers", "k", "threshold", "reuse", "auto", "laser")
+
+
+def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.nn.Module, str]:
+    """The calibrated exit head of the laser file ``path`` at the draft depth.
+
+    Args:
+        engine: the engine the file must have been made for (identity + weight fingerprint checked by
+            :func:`laserlm.depth.heads.load_laser_file`).
+        path: laser file written by ``laserlm calibrate --output`` (or :func:`save_laser_file`).
+        draft_layers: draft depth ``N`` (the head stored for exit layer ``N``, i.e. after layers
+            ``0..N-1``, is used); ``None`` = the file's exit point in ``[1, L-1]`` closest to ``L // 2``
+            (ties: the shallower).
+
+    Returns:
+        ``(draft_layers, head, name)``; ``head`` maps ``hidden [B, T, d] -> logits [B, T, V]`` float32.
+
+    Raises:
+        ModelNotFoundError: no such file.
+        CorruptModelError: not a (readable) laser file.
+        InvalidArgumentError: the file was made for another model; it has no exit head at
+            ``draft_layers`` (the message lists the exit layers it has) or none shallower than ``L``.
+    """
+    from pathlib import Path  # noqa: PLC0415
+
+    from ..depth.heads import load_laser_file  # noqa: PLC0415
+
+    art = load_laser_file(path, engine)
+    n_layers = engine.num_layers
+    exits = sorted(int(e) for e in art.heads)
+    usable = [e for e in exits if 1 <= e < n_layers]
+    listed = ", ".join(map(str, exits)) or "none"
+    if draft_layers is None:
+        if not usable:
+            raise InvalidArgumentError(f"laser file {path} has no exit head shallower than the model's {n_layers} "
+                                       f"layers to draft with (its exit layers: {listed})")
+        draft_layers = min(usable, key=lambda e: (abs(e - n_layers // 2), e))
+    elif draft_layers not in art.heads:
+        raise InvalidArgumentError(f"laser file {path} has no exit head at draft_layers={draft_layers}; "
+                                   f"its exit layers are: {listed}")
+    return draft_layers, art.heads[draft_layers], f"laser:{Path(path).name}@{draft_layers}"
 
 
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
-    """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1`` -> :class:`SpeculativeDecoding`.
+    """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH]`` -> :class:`SpeculativeDecoding`.
 
     ``draft_layers``, ``k`` and ``threshold`` accept ``auto``; ``auto=1`` makes every option not
     given ``auto``. Auto options are chosen by :func:`~laserlm.runtime.speculative_calibration.calibrate`
     (a few seconds of greedy decoding on WikiText-2 valid / ARC-Easy dev), whose search is kept in
     ``mode.calibration`` and reported in the generation stats.
 
+    ``laser=PATH`` drafts with the laser file's calibrated exit head at the draft depth (see
+    :func:`laser_exit_head` for the default depth and the errors).
+
     Raises:
-        InvalidArgumentError: unknown option, malformed or out-of-range value, or missing calibration data.
+        InvalidArgumentError: unknown option, malformed or out-of-range value, missing calibration data,
+            a laser file for another model or without a head at the draft depth.
+        ModelNotFoundError / CorruptModelError: the laser file is missing / unreadable.
     """
     unknown = sorted(set(opts) - set(OPTIONS))
     if unknown:
@@ -361,6 +414,15 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         kwargs["threshold"] = _parse_float("threshold", opts["threshold"])
     if "reuse" in opts:
         kwargs["reuse"] = _parse_bool("reuse", opts["reuse"])
+    if "laser" in opts:
+        if "draft_layers" in auto:
+            raise InvalidArgumentError("draft_layers=auto is not supported with laser=: give draft_layers=N "
+                                       "(one of the laser file's exit layers) or omit it")
+        if not str(opts["laser"]).strip():
+            raise InvalidArgumentError("speculative option laser needs a laser file path (laser=PATH)")
+        SpeculativeDecoding(engine.num_layers, **kwargs)  # validate the numbers before reading the file
+        kwargs["draft_layers"], kwargs["exit_head"], kwargs["exit_head_name"] = laser_exit_head(
+            engine, opts["laser"], kwargs.get("draft_layers"))
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
     if auto:
         from .speculative_calibration import calibrate  # noqa: PLC0415
@@ -369,11 +431,13 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         report = calibrate(engine, exit_head=mode.exit_head, reuse=mode.reuse, **fixed)
         best = report["chosen"]
         mode = SpeculativeDecoding(engine.num_layers, draft_layers=best["draft_layers"], k=best["k"],
-                                   threshold=best["threshold"], reuse=mode.reuse)
+                                   threshold=best["threshold"], reuse=mode.reuse, exit_head=mode.exit_head,
+                                   exit_head_name=mode.exit_head_name)
         mode.calibration = report
     return mode
 
 
 register_mode("speculative", make_speculative)
 
-__all__ = ["SpeculativeDecoding", "SpeculativeRun", "SpeculativeStats", "make_speculative", "ExitHead"]
+__all__ = ["SpeculativeDecoding", "SpeculativeRun", "SpeculativeStats", "make_speculative", "laser_exit_head",
+           "ExitHead"]
