@@ -247,3 +247,34 @@ def test_good_input_still_works(capsys, smol):
     assert rc == 0
     data = json.loads(out)
     assert data["generated_tokens"] == 3 and data["text"]
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path):
+    from laserlm.errors import ModelNotFoundError
+    from laserlm.models.loader import load_model
+
+    with pytest.raises(ModelNotFoundError, match="has no config.json"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("spec, msg", [("full:", "no options"), ("adaptive:groups=5,groups=6", "given twice"),
+                                        ("full:x", "expected key=value")])
+def test_malformed_mode_specs(spec, msg):
+    from laserlm.errors import InvalidArgumentError
+    from laserlm.runtime.modes import parse_spec
+
+    with pytest.raises(InvalidArgumentError, match=msg):
+        parse_spec(spec)
+
+
+def test_generation_stats_are_strict_json():
+    """With one generated token the decode rate is undefined: it must be null, not NaN (invalid JSON)."""
+    import json
+
+    from laserlm.runtime.generate import GenerationResult
+
+    r = GenerationResult(text="a", token_ids=[5], prompt_tokens=3, finish_reason="length", ttft_s=0.1,
+                         total_s=0.1, layers_per_token=[30], itl_s=[])
+    s = r.stats()
+    assert s["decode_tokens_per_s"] is None and s["tpot_s"] is None
+    json.loads(json.dumps(s, allow_nan=False))

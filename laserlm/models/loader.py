@@ -176,6 +176,8 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
 def _check_architecture(model_dir: Path, label: str) -> str:
     from transformers import AutoConfig  # noqa: PLC0415
 
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ModelNotFoundError(f"{label}: directory {model_dir} has no config.json (not a model directory)")
     try:
         config = AutoConfig.from_pretrained(model_dir)
     except (OSError, ValueError, json.JSONDecodeError) as exc:

@@ -71,18 +71,23 @@ class GenerationResult:
         return sum(self.layers_per_token) / len(self.layers_per_token) if self.layers_per_token else float("nan")
 
     def stats(self) -> dict:
-        """Machine-readable summary (the CLI's ``--json``)."""
+        """Machine-readable summary (the CLI's ``--json``). Undefined values (e.g. the decode rate when at
+        most one token was generated) are ``None``, so the output is strict JSON (no ``NaN``)."""
         tpot = sum(self.itl_s) / len(self.itl_s) if self.itl_s else float("nan")
+
+        def num(x: float, digits: int):
+            return None if x != x or x in (float("inf"), float("-inf")) else round(x, digits)
+
         return {
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "finish_reason": self.finish_reason,
-            "ttft_s": round(self.ttft_s, 6),
-            "tpot_s": round(tpot, 6),
-            "total_s": round(self.total_s, 6),
-            "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 3),
-            "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
-            "mean_layers_per_token": round(self.mean_layers_per_token, 3),
+            "ttft_s": num(self.ttft_s, 6),
+            "tpot_s": num(tpot, 6),
+            "total_s": num(self.total_s, 6),
+            "prefill_tokens_per_s": num(self.prefill_tokens_per_s, 3),
+            "decode_tokens_per_s": num(self.decode_tokens_per_s, 3),
+            "mean_layers_per_token": num(self.mean_layers_per_token, 3),
             "layers_per_token": self.layers_per_token,
             **self.extra,
         }

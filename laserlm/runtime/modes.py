@@ -77,12 +77,17 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"adaptive:policy=confidence,threshold=0.9"`` -> ``("adaptive", {"policy": "confidence", ...})``."""
     name, _, rest = spec.strip().partition(":")
     opts: dict[str, str] = {}
+    if spec.strip().endswith(":"):
+        raise InvalidArgumentError(f"mode spec '{spec}' has ':' but no options (write '{name}' or '{name}:key=value')")
     if rest:
         for part in rest.split(","):
             key, eq, value = part.partition("=")
             if not eq or not key.strip():
                 raise InvalidArgumentError(f"bad option '{part}' in mode spec '{spec}' (expected key=value)")
-            opts[key.strip().replace("-", "_")] = value.strip()
+            key = key.strip().replace("-", "_")
+            if key in opts:
+                raise InvalidArgumentError(f"option '{key}' given twice in mode spec '{spec}'")
+            opts[key] = value.strip()
     return name, opts
 
 
