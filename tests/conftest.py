@@ -28,3 +28,14 @@ def smol_ref(smol):
 
     return AutoModelForCausalLM.from_pretrained(smol.loaded.path, dtype=torch.float32,
                                                 attn_implementation="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module (use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    on the shared 2-core machine, 2 threads under load from other jobs ran ~10x slower (OpenMP threads wait
+    on descheduled peers); results do not depend on it."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

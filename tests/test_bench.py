@@ -23,14 +23,7 @@ class _Broken(FullDepth):
         raise RuntimeError("kernel not built for this CPU")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """One torch thread in this module: on the shared 2-core machine, 2 threads under load from other jobs
-    ran ~10x slower (OpenMP threads wait on descheduled peers); results do not depend on it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 register_mode("test_bench_broken", lambda engine, **o: _Broken())

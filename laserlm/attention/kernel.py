@@ -80,11 +80,9 @@ class SparseAttention:
         import time  # noqa: PLC0415
 
         t0 = time.perf_counter()
-        t, s = query.shape[2], key.shape[2]
         # same fast path as the engine's dense attention: a prefill from key 0 whose mask is the plain
         # causal one (the context's cached no-window, no-hole mask) uses SDPA's is_causal
-        plain = (ctx is not None and mask is not None and t == s and ctx._masks.get((s, None, None)) is mask
-                 and ctx.plain_causal(s, None, layer_idx))
+        plain = ctx is not None and ctx.is_plain_causal_mask(mask, key.shape[2], layer_idx)
         out = dense_attention(query, key, value, None if plain else mask, scaling, is_causal=plain)
         self._record(layer_idx, ctx, {"density": 1.0, "select_s": 0.0, "attn_s": time.perf_counter() - t0,
                                       "path": "dense"})

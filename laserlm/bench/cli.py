@@ -123,7 +123,7 @@ def cmd_bench(args) -> int:
     samples = run_bench(targets, prompt_ids, gen_ids, args.n_gen, args.reps, args.warmup, tests,
                         progress=not args.no_progress)
     rows = [summarize(name, s, args.n_prompt, args.n_gen) for name, s in samples.items()]
-    from ..evaluation.report import machine, now  # noqa: PLC0415  (formatting helpers only)
+    from ..evaluation.report import machine, now, write_json  # noqa: PLC0415  (formatting helpers only)
 
     header = (f"model {args.model}, dtype {args.dtype}, {torch.get_num_threads()} threads, reps {args.reps} after "
               f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "
@@ -143,10 +143,5 @@ def cmd_bench(args) -> int:
                "n_prompt": args.n_prompt, "n_gen": args.n_gen, "reps": args.reps, "warmup": args.warmup,
                "tests": tests, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,
                "rows": rows, "raw": {n: vars(s) for n, s in samples.items()}}
-        text = json.dumps(doc, indent=1, default=float)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(doc, args.json)
     return 0

@@ -212,32 +212,32 @@ class GatePolicy(ExitPolicy):
         return f"gate>{self.threshold:g}"
 
 
-class AllOf(ExitPolicy):
+class _Combined(ExitPolicy):
+    """Several policies joined by ``combine`` (``all`` or ``any``; both short-circuit in order)."""
+
+    combine = staticmethod(all)
+    separator = " & "
+
+    def __init__(self, policies):
+        self.policies = list(policies)
+        self.needs_ats = any(p.needs_ats for p in self.policies)
+
+    def __call__(self, point):
+        return self.combine(p(point) for p in self.policies)
+
+    def describe(self):
+        return self.separator.join(p.describe() for p in self.policies)
+
+
+class AllOf(_Combined):
     """Exit iff every policy says exit (short-circuits in order)."""
 
-    def __init__(self, policies):
-        self.policies = list(policies)
-        self.needs_ats = any(p.needs_ats for p in self.policies)
 
-    def __call__(self, point):
-        return all(p(point) for p in self.policies)
-
-    def describe(self):
-        return " & ".join(p.describe() for p in self.policies)
-
-
-class AnyOf(ExitPolicy):
+class AnyOf(_Combined):
     """Exit iff some policy says exit (short-circuits in order)."""
 
-    def __init__(self, policies):
-        self.policies = list(policies)
-        self.needs_ats = any(p.needs_ats for p in self.policies)
-
-    def __call__(self, point):
-        return any(p(point) for p in self.policies)
-
-    def describe(self):
-        return " | ".join(p.describe() for p in self.policies)
+    combine = staticmethod(any)
+    separator = " | "
 
 
 class Never(ExitPolicy):

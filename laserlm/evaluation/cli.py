@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -73,7 +72,7 @@ def cmd_eval(args) -> int:
                             gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)
     lm = load_from_args(args)
     ev = Evaluator(lm, specs, settings)
-    from .report import machine, markdown, now  # noqa: PLC0415
+    from .report import machine, markdown, now, write_json  # noqa: PLC0415
 
     results, seconds = {}, {}
     table_out = sys.stderr if args.json == "-" else sys.stdout
@@ -92,10 +91,5 @@ def cmd_eval(args) -> int:
                "argv": sys.argv[1:],
                "settings": {k: v for k, v in vars(settings).items() if k != "progress"},
                "results": results, "seconds": seconds}
-        text = json.dumps(doc, indent=1, default=float)
-        if args.json == "-":
-            print(text)
-        else:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+        write_json(doc, args.json)
     return 0

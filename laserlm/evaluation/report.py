@@ -45,6 +45,18 @@ def now() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
+def write_json(doc: dict, path: str) -> None:
+    """Write a report as indented JSON to ``path`` (``"-"``: standard output)."""
+    import json  # noqa: PLC0415
+
+    text = json.dumps(doc, indent=1, default=float)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+
+
 def _fmt(v, fmt: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "n/a"

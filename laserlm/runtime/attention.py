@@ -88,10 +88,13 @@ class AttentionContext:
             return False
         if layer_idx is not None and self.key_valid.get(layer_idx) is not None:
             return False
-        first = self._masks.get("first")
-        if first is None:
-            first = self._masks["first"] = int(self.q_positions[0])
-        return first == self.kv_offset
+        return int(self.q_positions[0]) == self.kv_offset
+
+    def is_plain_causal_mask(self, mask: torch.Tensor | None, kv_len: int, layer_idx: int | None = None) -> bool:
+        """True when ``mask`` (as returned by :meth:`mask`) is exactly the square causal mask, so a kernel
+        handed it may use SDPA's ``is_causal=True`` instead (see :meth:`plain_causal`)."""
+        return (mask is not None and self._masks.get((kv_len, None, None)) is mask
+                and self.plain_causal(kv_len, None, layer_idx))
 
 
 def current_context() -> AttentionContext | None:

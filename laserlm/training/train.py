@@ -94,6 +94,16 @@ def lr_lambda(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
+def _optimizer_step(loss: torch.Tensor, opt, sched, params, grad_clip: float) -> float:
+    """Backward, clip the gradient norm to ``grad_clip``, step optimizer and schedule; returns the loss value."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    sched.step()
+    return float(loss.detach())
+
+
 class Bf16Logits:
     """Final norm + LM head (+ soft cap) with a bfloat16 copy of the LM-head weight, made once.
 
@@ -151,12 +161,7 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
             student = fast(head.adapt(h)) if fast is not None else head(h)
             loss = loss + kl_distillation(student, teacher)
         loss = loss / len(data.exit_points)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        sched.step()
-        losses.append(float(loss.detach()))
+        losses.append(_optimizer_step(loss, opt, sched, params, cfg.grad_clip))
         bar.set_postfix(kl=f"{losses[-1]:.3f}")
     return losses
 
@@ -247,12 +252,7 @@ def joint_finetune(heads: nn.ModuleDict, gates: nn.ModuleDict, teacher_fn, data:
                 total = total + (weight * kl).mean() + cfg.gate_loss_weight * binary_focal_loss(
                     gate_logit, label, gamma=cfg.gamma)
             loss = total / len(data.exit_points)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
+            losses.append(_optimizer_step(loss, opt, sched, params, cfg.grad_clip))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         threshold *= cfg.threshold_decay
     return losses
