@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .errors import LaserLMError
+from .errors import InvalidArgumentError, LaserLMError
 
 EXIT_USAGE = 2
 
@@ -121,6 +121,7 @@ def load_from_args(args):
 def attention_kwargs(args) -> dict:
     """``load()`` keyword arguments from the --attention options (empty for dense without options)."""
     attention = getattr(args, "attention", "dense") or "dense"
+    check_one_sparse_rule(args)
     opts = {"threshold": getattr(args, "sparse_threshold", None), "block_size": getattr(args, "block_size", None),
             "dense_layers": getattr(args, "dense_layers", None)}
     if getattr(args, "sparse_mass", None) is not None:
@@ -132,6 +133,58 @@ def attention_kwargs(args) -> dict:
 
     parse_attention(attention, **opts)  # fail on bad settings before the model loads
     return {"attention": attention, **opts}
+
+
+def check_one_sparse_rule(args) -> None:
+    """``--sparse-threshold`` and ``--sparse-mass`` pick two different block-selection rules; giving both
+    is ambiguous.
+
+    Raises:
+        InvalidArgumentError: both flags were given.
+    """
+    if getattr(args, "sparse_threshold", None) is not None and getattr(args, "sparse_mass", None) is not None:
+        raise InvalidArgumentError("--sparse-threshold and --sparse-mass select blocks by two different rules "
+                                   "(threshold rule / mass rule); give only one of them")
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Fail before any work (model load, measurements) when the output file of ``flag`` cannot be written.
+
+    ``path``: the file given to ``flag`` (e.g. ``--json PATH``, ``--plot PATH``); ``None`` (option not
+    given) and ``"-"`` (standard output) pass. The file itself need not exist; it is not created here.
+
+    Raises:
+        InvalidArgumentError: the path is a directory, or its directory is missing or not writable.
+    """
+    if path is None or path == "-":
+        return
+    from pathlib import Path  # noqa: PLC0415
+
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise InvalidArgumentError(f"{flag} {path} is a directory; give a file path")
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"{flag} {path}: directory {parent} is not writable")
+
+
+def check_chat_template(args) -> None:
+    """``generate --chat``: fail before the weights load when the model's tokenizer files (the cached
+    converted copy of a GGUF, or a model directory) show it has no chat template (e.g. the gemma3-270m base
+    model). Models whose tokenizer files are not on disk yet are checked after loading instead.
+
+    Raises:
+        InvalidArgumentError: the model has no chat template.
+    """
+    if not getattr(args, "chat", False):
+        return
+    from .models.loader import chat_template_available  # noqa: PLC0415
+
+    if chat_template_available(args.model) is False:
+        raise InvalidArgumentError(f"model '{args.model}' has no chat template (a base model?); drop --chat "
+                                   "to continue the prompt as plain text")
 
 
 def laser_mode_spec(mode: str, laser: str) -> str:
@@ -188,6 +241,7 @@ def cmd_generate(args) -> int:
         raise LaserLMError("empty prompt: give some text to continue")
     if args.ctx_size is not None and args.ctx_size <= 0:
         raise LaserLMError(f"--ctx-size must be a positive integer, got {args.ctx_size}")
+    check_chat_template(args)
     lm = load_from_args(args)
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:

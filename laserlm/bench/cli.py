@@ -7,7 +7,14 @@ import importlib.util
 import json
 import sys
 
-from ..cli import add_config_args, add_model_args, config_specs, global_attention_config, load_from_args
+from ..cli import (
+    add_config_args,
+    add_model_args,
+    check_output_path,
+    config_specs,
+    global_attention_config,
+    load_from_args,
+)
 from ..errors import InvalidArgumentError, LaserLMError
 
 TESTS = ("pp", "tg", "gen")
@@ -62,6 +69,10 @@ def _validate(args) -> list[str]:
                         ("--warmup", args.warmup, 0)):
         if v < lo:
             raise InvalidArgumentError(f"{name} must be >= {lo}, got {v}")
+    check_output_path(args.json, "--json")  # output files fail now, not after the measurements
+    check_output_path(args.plot, "--plot")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise InvalidArgumentError("--plot needs matplotlib: pip install 'laserlm[bench]'")
     if args.quality:
         try:
             with open(args.quality) as f:

@@ -5,10 +5,17 @@ from __future__ import annotations
 import sys
 import time
 
-from ..cli import add_config_args, add_model_args, config_specs, global_attention_config, load_from_args
+from ..cli import (
+    add_config_args,
+    add_model_args,
+    check_output_path,
+    config_specs,
+    global_attention_config,
+    load_from_args,
+)
 from ..errors import InvalidArgumentError
 from .data import task_paths
-from .tasks import TASKS, EvalSettings, Evaluator
+from .tasks import TASKS, EvalSettings, Evaluator, load_prompts
 
 DEFAULT_TASKS = "wikitext,lambada,hellaswag,arc_easy,piqa,agreement"
 
@@ -65,8 +72,11 @@ def cmd_eval(args) -> int:
             raise InvalidArgumentError(f"{name} must be >= {lo}, got {v}")
     if args.stride is not None and args.stride > args.window:
         raise InvalidArgumentError(f"--stride ({args.stride}) cannot exceed --window ({args.window})")
+    check_output_path(args.json, "--json")  # fail now, not after the evaluation
     for t in tasks:  # fail on missing data before loading the model
         task_paths("wikitext" if t == "agreement" else t, args.data_dir)
+    if "agreement" in tasks and args.prompts:
+        load_prompts(args.prompts)  # a missing / malformed --prompts file fails now, not after the other tasks
     settings = EvalSettings(data_dir=args.data_dir, limit=args.limit, seed=args.seed, window=args.window,
                             stride=args.stride, ppl_windows=args.ppl_windows, agreement_windows=args.agreement_windows,
                             gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)

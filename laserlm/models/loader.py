@@ -213,6 +213,46 @@ def resolve(name: str, progress: bool = True) -> Path | str:
     )
 
 
+def _tokenizer_dir_on_disk(name: str) -> Path | None:
+    """The directory holding ``name``'s tokenizer files when it exists without converting or loading
+    anything: the cached converted copy of a bundled model / GGUF file, or a model directory; else ``None``."""
+    try:
+        if name in BUNDLED or name.endswith(".gguf"):
+            gguf = BUNDLED[name].locate() if name in BUNDLED else Path(name).expanduser()
+            if not gguf.is_file():
+                return None
+            out = converted_dir_for(gguf)
+            return out if (out / "laserlm_source.json").is_file() else None
+    except (OSError, ModelNotFoundError, CorruptModelError):
+        return None
+    p = Path(name).expanduser()
+    return p if p.is_dir() else None
+
+
+def chat_template_available(name: str) -> bool | None:
+    """Whether model ``name`` has a chat template, read from its tokenizer files without loading weights.
+
+    A template is a ``chat_template.jinja`` file or ``additional_chat_templates/`` folder (transformers >= 4.50
+    saves them so) or a ``chat_template`` key in ``tokenizer_config.json``; ``chat_template.json`` also counts.
+
+    Returns:
+        ``True`` / ``False``; ``None`` when unknown without loading (GGUF not converted yet, hub id, missing
+        model, no ``tokenizer_config.json``): the caller then learns it from the loaded tokenizer.
+    """
+    where = _tokenizer_dir_on_disk(name)
+    if where is None:
+        return None
+    if any((where / f).is_file() for f in ("chat_template.jinja", "chat_template.json")):
+        return True
+    if (where / "additional_chat_templates").is_dir():
+        return True
+    try:
+        config = json.loads((where / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return bool(config.get("chat_template")) if isinstance(config, dict) else None
+
+
 def load_model(name: str, dtype: str | torch.dtype = "float32", progress: bool = True) -> LoadedModel:
     """Load a supported causal LM and its tokenizer for laserlm.
 

@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
 
@@ -62,9 +64,10 @@ def calibration_prompts(tokenizer, n_text: int = 3, prompt_tokens: int = 48) -> 
 
 
 @torch.inference_mode()
-def greedy_traces(engine, prompts, gen_tokens: int, depths, exit_head) -> list[dict]:
+def greedy_traces(engine, prompts, gen_tokens: int, depths, exit_head, on_prompt=None) -> list[dict]:
     """Per prompt: ``agree [len(depths), G]`` (bool) and ``conf [len(depths), G]`` of the exit head
-    after each candidate depth on the full model's own greedy continuation of ``G`` tokens."""
+    after each candidate depth on the full model's own greedy continuation of ``G`` tokens.
+    ``on_prompt()`` (optional) is called after each prompt (progress)."""
     head = exit_head or engine.head
     traces = []
     for ids in prompts:
@@ -85,6 +88,8 @@ def greedy_traces(engine, prompts, gen_tokens: int, depths, exit_head) -> list[d
             agree.append(logits.argmax(-1) == torch.tensor(toks))
             conf.append(torch.softmax(logits, -1).amax(-1))
         traces.append({"agree": torch.stack(agree), "conf": torch.stack(conf)})
+        if on_prompt is not None:
+            on_prompt()
     engine.reset()
     return traces
 
@@ -144,9 +149,22 @@ def simulate(agree, conf, n_draft: int, n_layers: int, k: int, threshold: float,
     return out
 
 
+def _progress_bar(n_prompts: int, progress: bool):
+    """Announce the search on stderr (one line) and return a tqdm bar over its steps: one greedy trace per
+    prompt, the cost measurement, the simulated search. The bar only draws on a terminal."""
+    if progress:
+        print("laserlm: speculative auto: searching draft depth/K/threshold on validation text "
+              "(about a minute; runs on every load, fix draft_layers/k/threshold to skip it) ...",
+              file=sys.stderr, flush=True)
+    return tqdm(total=n_prompts + 2, desc="speculative auto", unit="step", leave=False, dynamic_ncols=True,
+                disable=None if progress else True)
+
+
 def calibrate(engine, exit_head=None, reuse: bool = True, draft_layers: int | None = None, k: int | None = None,
-              threshold: float | None = None, gen_tokens: int = 40, n_text: int = 3) -> dict:
+              threshold: float | None = None, gen_tokens: int = 40, n_text: int = 3, progress: bool = True) -> dict:
     """Search draft depth / K / threshold (those not fixed) by simulated speed-up; see module docstring.
+
+    ``progress``: print a one-line notice to stderr when the search starts and show a tqdm bar (on a terminal).
 
     Returns ``{"chosen": {...}, "search": [rows best first, at most 12], "costs": {...}, "seconds": s,
     "data": ..., "tokens": n}``; every row has ``draft_layers, k, threshold, acceptance_rate,
@@ -162,8 +180,10 @@ def calibrate(engine, exit_head=None, reuse: bool = True, draft_layers: int | No
     ks = [k] if k else list(KS)
     thresholds = [threshold] if threshold is not None else list(THRESHOLDS)
     prompts = calibration_prompts(tok, n_text=n_text)
-    traces = greedy_traces(engine, prompts, gen_tokens, depths, exit_head)
+    bar = _progress_bar(len(prompts), progress)
+    traces = greedy_traces(engine, prompts, gen_tokens, depths, exit_head, on_prompt=bar.update)
     costs = measure_costs(engine, max(ks) + 1, exit_head)
+    bar.update()
     full_cost = n_layers * costs["layer_s"][1] + costs["head_s"]
     rows = []
     for di, d in enumerate(depths):
@@ -178,6 +198,8 @@ def calibrate(engine, exit_head=None, reuse: bool = True, draft_layers: int | No
                              "acceptance_rate": round(tot["accepted"] / max(tot["drafted"], 1), 3),
                              "mean_accepted_length": round(tot["emitted"] / max(tot["cycles"], 1), 3),
                              "predicted_speedup": round(tot["emitted"] * full_cost / tot["seconds"], 3)})
+    bar.update()
+    bar.close()
     rows.sort(key=lambda r: -r["predicted_speedup"])
     top1 = [float(tr["agree"][di].float().mean()) for di in range(len(depths)) for tr in traces]
     best = rows[0]
