@@ -80,8 +80,8 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
         gates=art.gates if art else None,
         vocab_size=engine.config.vocab_size,
     )
-    bridge = opts.pop("bridge", "propagate")
-    patience = _num(opts, "patience", int, 3)
+    bridge = opts.pop("bridge", file_cfg.get("bridge", "propagate"))  # a laser file: what it was calibrated for
+    patience = _num(opts, "patience", int, file_cfg.get("patience", 3))
     ats_layer = _num(opts, "ats_layer", int, file_cfg.get("ats_layer"))
     score = opts.pop("score", None)
     _reject_unknown("adaptive", opts, ADAPTIVE_OPTIONS)

@@ -26,6 +26,10 @@ from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
 FORMAT_VERSION = 1
 ADAPTER_KINDS = ("none", "affine", "lowrank")
 NUM_GATE_SCALARS = 6  # see gate_scalars
+# Gate feature sets: "head" reads the exit head's distribution (one LM-head evaluation per check: on SmolLM2-135M
+# that costs about as much as 8 decoder layers); "state" uses only the hidden state, saturation, ATS and depth,
+# so a check is one d-vector dot product and the exit head runs only for tokens that exit.
+GATE_FEATURES = {"head": 6, "state": 3}
 
 
 class ExitHead(nn.Module):
@@ -82,15 +86,48 @@ class ExitHead(nn.Module):
         return {"adapter": self.kind, "rank": self.rank}
 
 
-def gate_scalars(point) -> torch.Tensor:
-    """Scalar features of an :class:`~laserlm.depth.policies.ExitPoint` for exit gates, ``[6]`` float32:
-    top-1 probability, top-2 margin, entropy / ln V, saturation, ATS (0 when absent), layer / L."""
+def gate_scalars(point, features: str = "head") -> torch.Tensor:
+    """Scalar features of an :class:`~laserlm.depth.policies.ExitPoint` for exit gates, float32:
+    ``head`` ``[6]``: top-1 probability, top-2 margin, entropy / ln V, saturation, ATS (0 when absent), layer / L;
+    ``state`` ``[3]``: saturation, ATS, layer / L (no exit-head evaluation)."""
+    ats = point.ats if point.ats is not None else 0.0
+    if features == "state":
+        return torch.tensor([point.saturation, ats, point.layer / point.num_layers], dtype=torch.float32)
     p = point.probs
     top = torch.topk(p, 2).values
     ent = float(-(p * torch.log(p.clamp_min(1e-30))).sum()) / math.log(p.numel())
-    ats = point.ats if point.ats is not None else 0.0
     return torch.tensor([float(top[0]), float(top[0] - top[1]), ent, point.saturation, ats,
                          point.layer / point.num_layers], dtype=torch.float32)
+
+
+def confidence_scalars(logits: torch.Tensor) -> torch.Tensor:
+    """``logits [N, V]`` -> ``[N, 3]``: top-1 probability, top-2 margin, entropy / ln V (CALM measures)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    top = p.topk(2, dim=-1).values
+    ent = -(p * logp).sum(-1) / math.log(logits.shape[-1])
+    return torch.stack([top[:, 0], top[:, 0] - top[:, 1], ent], dim=-1)
+
+
+def gate_scalars_batch(logits: torch.Tensor | None, hidden: torch.Tensor, hidden_in: torch.Tensor,
+                       ats: torch.Tensor | None, layer: int, num_layers: int, features: str = "head") -> torch.Tensor:
+    """Batched :func:`gate_scalars`: ``[N, 6]`` (``head``) or ``[N, 3]`` (``state``) float32.
+
+    Args:
+        logits: ``[N, V]`` exit-head logits (unused, may be ``None``, for ``state`` features).
+        hidden, hidden_in: ``[N, d]`` hidden state leaving / entering the exit point's layer group.
+        ats: ``[N]`` attention transition scores (``None``: absent, 0).
+        layer: the exit point (layers run); ``num_layers``: L.
+        features: ``head`` or ``state`` (see :data:`GATE_FEATURES`).
+    """
+    n = hidden.shape[0]
+    sat = torch.nn.functional.cosine_similarity(hidden_in.float(), hidden.float(), dim=-1)
+    a = ats.float() if ats is not None else torch.zeros(n)
+    pos = torch.full((n,), layer / num_layers)
+    state = torch.stack([sat, a, pos], dim=-1)
+    if features == "state":
+        return state
+    return torch.cat([confidence_scalars(logits), state], dim=-1)
 
 
 class ExitGate(nn.Module):
@@ -98,18 +135,24 @@ class ExitGate(nn.Module):
 
     Args:
         hidden_size: d.
-        num_scalars: length of :func:`gate_scalars` (6).
+        num_scalars: length of :func:`gate_scalars` for ``features`` (6 for ``head``, 3 for ``state``).
         uses_ats: whether the gate was trained with the ATS feature (the scheduler then measures it).
+        features: ``"head"`` (exit-head confidence features; every check evaluates the exit head) or ``"state"``
+            (hidden-state features only; cheap checks). See :data:`GATE_FEATURES`.
 
     ``forward(hidden [N, d], scalars [N, S]) -> logits [N]`` float32 (train with focal loss on these).
     """
 
-    def __init__(self, hidden_size: int, num_scalars: int = NUM_GATE_SCALARS, uses_ats: bool = False):
+    def __init__(self, hidden_size: int, num_scalars: int | None = None, uses_ats: bool = False,
+                 features: str = "head"):
         super().__init__()
+        if features not in GATE_FEATURES:
+            raise InvalidArgumentError(f"unknown gate features '{features}'; use one of {', '.join(GATE_FEATURES)}")
         self.hidden_size = hidden_size
-        self.num_scalars = num_scalars
+        self.num_scalars = GATE_FEATURES[features] if num_scalars is None else num_scalars
         self.uses_ats = uses_ats
-        self.linear = nn.Linear(hidden_size + num_scalars, 1)
+        self.features = features
+        self.linear = nn.Linear(hidden_size + self.num_scalars, 1)
         with torch.no_grad():
             self.linear.weight.zero_()
             self.linear.bias.fill_(-4.0)  # starts as "do not exit"
@@ -121,11 +164,13 @@ class ExitGate(nn.Module):
 
     def exit_probability(self, point) -> float:
         """P(exit) for one :class:`~laserlm.depth.policies.ExitPoint`."""
-        logit = self(point.hidden.reshape(1, -1), gate_scalars(point).reshape(1, -1))
+        with torch.no_grad():
+            logit = self(point.hidden.reshape(1, -1), gate_scalars(point, self.features).reshape(1, -1))
         return float(torch.sigmoid(logit)[0])
 
     def config_dict(self) -> dict:
-        return {"kind": "linear", "num_scalars": self.num_scalars, "uses_ats": self.uses_ats}
+        return {"kind": "linear", "num_scalars": self.num_scalars, "uses_ats": self.uses_ats,
+                "features": self.features}
 
 
 @dataclass
@@ -249,7 +294,7 @@ def load_laser_file(path, engine) -> LaserArtifact:
             head.load_state_dict({k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"heads.{key}.")})
             art.heads[int(key)] = head
         for key, gc in config.get("gates", {}).items():
-            gate = ExitGate(d, gc.get("num_scalars", NUM_GATE_SCALARS), gc.get("uses_ats", False))
+            gate = ExitGate(d, gc.get("num_scalars"), gc.get("uses_ats", False), gc.get("features", "head"))
             gate.load_state_dict({k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"gates.{key}.")})
             art.gates[int(key)] = gate
     except (RuntimeError, KeyError) as exc:

@@ -91,6 +91,48 @@ class ExitPoint:
         return float((b - a).norm() / a.norm().clamp_min(1e-12))
 
 
+@dataclass
+class BatchPoint:
+    """Many tokens (rows) at the same exit point, for :meth:`ExitPolicy.decide_batch` (batched scoring).
+
+    Attributes:
+        group, layer, num_layers: as in :class:`ExitPoint`.
+        hidden, hidden_in: ``[n, d]`` hidden states leaving / entering the group.
+        head: ``fn(hidden [n, d]) -> logits [n, V]`` float32.
+        ats: ``[n]`` attention transition scores, or ``None`` when not measured / no previous token.
+    """
+
+    group: int
+    layer: int
+    num_layers: int
+    hidden: torch.Tensor
+    hidden_in: torch.Tensor
+    head: Callable
+    ats: torch.Tensor | None = None
+    _logits: torch.Tensor | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``[n, V]`` float32 exit-head logits (computed once, on first use)."""
+        if self._logits is None:
+            self._logits = self.head(self.hidden).float()
+        return self._logits
+
+    def row(self, r: int) -> ExitPoint:
+        """Row ``r`` as an :class:`ExitPoint` (sharing the batched head evaluation)."""
+        return ExitPoint(self.group, self.layer, self.num_layers, self.hidden[r], self.hidden_in[r],
+                         head=lambda _h: self.logits[r:r + 1],
+                         ats=float(self.ats[r]) if self.ats is not None else None)
+
+    @property
+    def saturation(self) -> torch.Tensor:
+        """``[n]`` cosine similarity of the hidden state entering and leaving the group."""
+        return torch.nn.functional.cosine_similarity(self.hidden_in.float(), self.hidden.float(), dim=-1)
+
+
 def _check_range(name: str, value: float, lo: float, hi: float) -> float:
     try:
         value = float(value)
@@ -112,6 +154,11 @@ class ExitPolicy:
 
     def __call__(self, point: ExitPoint) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def decide_batch(self, points: BatchPoint) -> torch.Tensor:
+        """``[n]`` bool: the decision for every row (default: ``self(point)`` row by row; policies override it
+        with the same rule computed on all rows at once)."""
+        return torch.tensor([bool(self(points.row(r))) for r in range(len(points))], dtype=torch.bool)
 
     def describe(self) -> str:
         return type(self).__name__
@@ -138,6 +185,16 @@ class Confidence(ExitPolicy):
         c = point.confidence(self.measure)
         return c < self.threshold if self.measure == "entropy" else c > self.threshold
 
+    def decide_batch(self, points):
+        logp = torch.log_softmax(points.logits, dim=-1)
+        p = logp.exp()
+        if self.measure == "entropy":
+            return -(p * logp).sum(-1) < self.threshold
+        if self.measure == "max":
+            return p.max(-1).values > self.threshold
+        top = p.topk(2, dim=-1).values
+        return (top[:, 0] - top[:, 1]) > self.threshold
+
     def describe(self):
         return f"confidence({self.measure}{'<' if self.measure == 'entropy' else '>'}{self.threshold:g})"
 
@@ -150,6 +207,9 @@ class Saturation(ExitPolicy):
 
     def __call__(self, point):
         return point.saturation > self.threshold
+
+    def decide_batch(self, points):
+        return points.saturation > self.threshold
 
     def describe(self):
         return f"saturation>{self.threshold:g}"
@@ -172,6 +232,11 @@ class AttentionTransition(ExitPolicy):
             return False  # no previous token to compare with: be safe and go deeper
         return point.ats >= self.threshold
 
+    def decide_batch(self, points):
+        if points.ats is None:
+            return torch.zeros(len(points), dtype=torch.bool)
+        return points.ats >= self.threshold
+
     def describe(self):
         return f"ats>={self.threshold:g}"
 
@@ -185,6 +250,10 @@ class Compensation(ExitPolicy):
 
     def __call__(self, point):
         return point.relative_change <= self.max_change
+
+    def decide_batch(self, points):
+        a, b = points.hidden_in.float(), points.hidden.float()
+        return (b - a).norm(dim=-1) / a.norm(dim=-1).clamp_min(1e-12) <= self.max_change
 
     def describe(self):
         return f"change<={self.max_change:g}"
@@ -208,6 +277,18 @@ class GatePolicy(ExitPolicy):
             return False
         return gate.exit_probability(point) > self.threshold
 
+    def decide_batch(self, points):
+        gate = self.gates.get(points.layer)
+        if gate is None:
+            return torch.zeros(len(points), dtype=torch.bool)
+        from .heads import gate_scalars_batch  # noqa: PLC0415  (heads imports this module)
+
+        logits = points.logits if gate.features == "head" else None
+        scalars = gate_scalars_batch(logits, points.hidden, points.hidden_in, points.ats, points.layer,
+                                     points.num_layers, gate.features)
+        with torch.no_grad():
+            return torch.sigmoid(gate(points.hidden, scalars)) > self.threshold
+
     def describe(self):
         return f"gate>{self.threshold:g}"
 
@@ -224,6 +305,13 @@ class _Combined(ExitPolicy):
 
     def __call__(self, point):
         return self.combine(p(point) for p in self.policies)
+
+    def decide_batch(self, points):
+        out = None
+        for p in self.policies:
+            d = p.decide_batch(points)
+            out = d if out is None else (out & d if self.combine is all else out | d)
+        return out
 
     def describe(self):
         return self.separator.join(p.describe() for p in self.policies)
@@ -245,6 +333,9 @@ class Never(ExitPolicy):
 
     def __call__(self, point):
         return False
+
+    def decide_batch(self, points):
+        return torch.zeros(len(points), dtype=torch.bool)
 
     def describe(self):
         return "never"

@@ -5,7 +5,9 @@ Everything here goes through the decoding-mode interface (:mod:`laserlm.runtime.
 registers a mode is scored the same way. For the full-depth mode the scorer takes a faster, exactly
 equivalent path: the choices of an item are right-padded into one batch (padding after the last real
 token cannot change causal attention of earlier positions) and the LM head runs only on the
-positions that are scored.
+positions that are scored. Adaptive depth with the ``propagate`` bridge and patience 0 is scored for many
+sequences at once by :func:`laserlm.depth.batched.score_batch` (per-row exit decisions, equal to the
+token-by-token scheduler up to float rounding).
 """
 
 from __future__ import annotations
@@ -103,6 +105,12 @@ class Scorer:
         self.kernel = config_kernel(engine, mode) if isinstance(mode, str) else engine.kernel
         self.mode = make_mode(split_config(mode)[0] if isinstance(mode, str) else mode, engine)
         self.fast = batch and isinstance(self.mode, FullDepth)
+        from ..depth.batched import supports_batched_score  # noqa: PLC0415
+
+        self.batched = batch and supports_batched_score(self.mode)
+        # sequences worth scoring per call: the full-depth path holds [B, T, V] logits, the batched adaptive
+        # path only [B, V] per step
+        self.batch_rows = 4 if self.fast else (32 if self.batched else 1)
 
     def activate(self) -> None:
         """Install this configuration's attention kernel on the engine (call before generating with it)."""
@@ -129,6 +137,8 @@ class Scorer:
         for s in seqs:
             self._check_len(s)
         self.activate()
+        if self.batched:
+            return self._score_adaptive_batched(seqs, starts)
         if self.fast and len(seqs) > 1:
             return self._score_batched(seqs, starts)
         out = []
@@ -155,6 +165,18 @@ class Scorer:
         for i, (s, start) in enumerate(zip(seqs, starts)):
             lg = logits[i, start - 1 - first:lens[i] - first]
             out.append(_target_scores(lg, torch.tensor(s[start:]), torch.full((lg.shape[0],), float(eng.num_layers))))
+        return out
+
+    def _score_adaptive_batched(self, seqs, starts) -> list[SequenceScore]:
+        from ..depth.batched import score_batch  # noqa: PLC0415
+
+        out = []
+        for i in range(0, len(seqs), self.batch_rows):
+            part = seqs[i:i + self.batch_rows]
+            for s, start, r in zip(part, starts[i:i + self.batch_rows], score_batch(self.mode, self.engine, part)):
+                argmax = r.argmax[start - 1:len(s) - 1]
+                out.append(SequenceScore(r.logprobs[start - 1:], bool((argmax == torch.tensor(s[start:])).all()),
+                                         argmax, r.layers[start - 1:len(s) - 1].float()))
         return out
 
 

@@ -152,14 +152,19 @@ class Evaluator:
     def _score_windows(self, name, ids, prefix, wins, desc):
         sc = self.scorers[name]
         nll, n, layers, argmax = 0.0, 0, 0.0, []
-        for w, (b, e, f) in enumerate(self._bar(wins, desc)):
-            seq = prefix + ids[b:e]
-            r = sc.score([seq], [len(prefix) + f - b])[0]
-            nll -= float(r.token_logprobs.sum())
-            n += r.token_logprobs.numel()
-            layers += float(r.layers.sum())
-            argmax.append(r.argmax)
-            self._argmax_cache[(name, w)] = r.argmax
+        groups = [list(range(i, min(i + sc.batch_rows, len(wins)))) for i in range(0, len(wins), sc.batch_rows)]
+        bar = self._bar(None, desc, total=len(wins))
+        for group in groups:
+            seqs = [prefix + ids[wins[w][0]:wins[w][1]] for w in group]
+            starts = [len(prefix) + wins[w][2] - wins[w][0] for w in group]
+            for w, r in zip(group, sc.score(seqs, starts)):
+                nll -= float(r.token_logprobs.sum())
+                n += r.token_logprobs.numel()
+                layers += float(r.layers.sum())
+                argmax.append(r.argmax)
+                self._argmax_cache[(name, w)] = r.argmax
+            bar.update(len(group))
+        bar.close()
         return nll, n, layers, argmax
 
     def _run_wikitext(self) -> dict:
@@ -195,8 +200,7 @@ class Evaluator:
         for name in self.names:
             sc = self.scorers[name]
             preds, preds_norm, correct, correct_norm, layers, ntok = [], [], 0, 0, 0.0, 0
-            for it, seqs, starts in self._bar(encoded, f"{task} [{name}]"):
-                scores = sc.score(seqs, starts)
+            for it, scores in self._bar(self._grouped_scores(sc, encoded), f"{task} [{name}]", total=len(encoded)):
                 ll = [s.logprob for s in scores]
                 lln = [x / max(len(c), 1) for x, c in zip(ll, it.choices)]
                 p, pn = max(range(len(ll)), key=ll.__getitem__), max(range(len(lln)), key=lln.__getitem__)
@@ -216,6 +220,22 @@ class Evaluator:
                              "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1)}
         return results
 
+    @staticmethod
+    def _grouped_scores(sc, encoded):
+        """Yield ``(item, scores of its choices)``; the choices of several items go to the scorer in one call
+        when it batches (``sc.batch_rows`` sequences)."""
+        group: list = []
+        for entry in encoded + [None]:
+            if entry is not None:
+                group.append(entry)
+            rows = sum(len(seqs) for _, seqs, _ in group)
+            if group and (entry is None or rows >= sc.batch_rows):
+                scores = sc.score([q for _, seqs, _ in group for q in seqs], [x for _, _, st in group for x in st])
+                for it, seqs, _ in group:
+                    yield it, scores[:len(seqs)]
+                    scores = scores[len(seqs):]
+                group = []
+
     def _run_hellaswag(self):
         return self._run_choice_task("hellaswag")
 
@@ -234,8 +254,8 @@ class Evaluator:
         for name in self.names:
             sc = self.scorers[name]
             lls, hits, preds, layers, ntok = [], 0, [], 0.0, 0
-            for seq, start in self._bar(encoded, f"lambada [{name}]"):
-                r = sc.score([seq], [start])[0]
+            grouped = self._grouped_scores(sc, [(None, [seq], [start]) for seq, start in encoded])
+            for _, (r,) in self._bar(grouped, f"lambada [{name}]", total=len(encoded)):
                 lls.append(r.logprob)
                 hits += r.greedy
                 preds.append(r.argmax)

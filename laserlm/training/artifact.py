@@ -77,12 +77,13 @@ class CalibrationArtifact:
     config: dict = field(default_factory=dict)
     path: Path | None = None
 
-    def mode_spec(self, bridge: str = "propagate") -> str:
+    def mode_spec(self, bridge: str | None = None) -> str:
         """Mode spec running the calibrated policy: ``adaptive:laser=PATH,bridge=...,patience=0``.
 
-        ``patience=0`` and ``bridge=deferred`` reproduce the calibration's assumptions exactly (every exit
-        decided by the gate on exact hidden states); other bridges/patience change the states and decisions.
+        The default bridge is the one the thresholds were calibrated for (``config["bridge"]``; files from
+        before that field: ``deferred``, exact states); another bridge or patience changes the decisions.
         """
+        bridge = bridge or self.config.get("bridge", "deferred")
         return f"adaptive:laser={self.path},bridge={bridge},patience=0"
 
 

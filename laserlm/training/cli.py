@@ -15,13 +15,17 @@ defaults and sources:
   gate stage     AdamW LR 1e-2, 400 steps, focal loss gamma 2 (Lin et al. 2017; seed 004)
   joint stage    off by default; LR 3e-5 with linear warm-up, clip 1.0, exit-threshold decay 0.95/epoch (seed 004)
   min depth      a quarter of the layers (seed); groups of 5 layers (seed: micro-layer groups)
-  thresholds     Learn-then-Test fixed-sequence testing, exact binomial p-values (CALM-style)
+  gate features  "state": hidden state, saturation, ATS, depth (a check costs a d-vector dot product; the
+                 exit head runs only when a token exits); "head" adds the exit head's confidence (better gates,
+                 but every check evaluates the LM head: on SmolLM2-135M about 8 decoder layers)
+  thresholds     Learn-then-Test fixed-sequence testing, exact binomial p-values (CALM-style), each candidate
+                 tested on real propagate decoding of the calibration split (--bridge deferred: on exact states)
 
 example:
   laserlm calibrate -m smollm2-135m --target-agreement 0.99 --delta 0.1 -o smol.laser.safetensors
   laserlm generate "The capital of France is" --laser smol.laser.safetensors
-      (= --mode adaptive:laser=smol.laser.safetensors,patience=0; add bridge=deferred for the exact
-      setting the guarantee was calibrated for, bridge=propagate (default) to save FLOPs)
+      (= --mode adaptive:laser=smol.laser.safetensors: the bridge the thresholds were calibrated for,
+      patience 0)
 
 on a CPU shared with other jobs, --threads 1 can be several times faster than oversubscribed threads.
 """
@@ -83,6 +87,11 @@ def add_parser(subparsers) -> None:
                    help="exit-head adapter (default: affine tuned lens)")
     p.add_argument("--rank", type=_positive(int, "--rank"), default=16, help="low-rank adapter rank (default: 16)")
     p.add_argument("--no-ats", action="store_true", help="train gates without the attention transition score")
+    p.add_argument("--gate-features", choices=["state", "head"], default="state",
+                   help="gate inputs: state (cheap checks, default) or head (adds exit-head confidence)")
+    p.add_argument("--bridge", choices=["propagate", "deferred"], default="propagate",
+                   help="decoding the thresholds are certified for: propagate (default: real decoding of the "
+                        "calibration text, saves compute) or deferred (exact states, saves no FLOPs)")
     p.add_argument("--head-steps", type=_positive(int, "--head-steps", True), default=250,
                    help="exit-head training steps (default: %(default)s)")
     p.add_argument("--head-lr", type=_positive(float, "--head-lr"), default=1e-3,
@@ -125,6 +134,7 @@ def config_from_args(args):
         data=args.data, groups=args.groups, min_depth=args.min_depth, seq_len=args.seq_len,
         train_tokens=args.train_tokens, gate_tokens=args.gate_tokens, calib_tokens=args.calib_tokens,
         eval_tokens=args.eval_tokens, adapter=args.adapter, rank=args.rank, use_ats=not args.no_ats,
+        gate_features=args.gate_features, bridge=args.bridge,
         heads=HeadTrainConfig(steps=args.head_steps, batch_tokens=args.batch_tokens, lr=args.head_lr,
                               grad_clip=args.grad_clip, seed=args.seed),
         gates=GateTrainConfig(steps=args.gate_steps, seed=args.seed),

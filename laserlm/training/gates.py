@@ -15,14 +15,22 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..depth.heads import NUM_GATE_SCALARS, ExitGate
+from ..depth.heads import ExitGate
 from ..errors import InvalidArgumentError
 from .losses import binary_focal_loss
 
 
-def make_gates(hidden_size: int, exit_points: list[int], uses_ats: bool) -> nn.ModuleDict:
-    """One :class:`ExitGate` per exit point (keyed ``str(exit_point)``), initialised to "do not exit"."""
-    return nn.ModuleDict({str(e): ExitGate(hidden_size, NUM_GATE_SCALARS, uses_ats) for e in exit_points})
+def make_gates(hidden_size: int, exit_points: list[int], uses_ats: bool, features: str = "head") -> nn.ModuleDict:
+    """One :class:`ExitGate` per exit point (keyed ``str(exit_point)``), initialised to "do not exit".
+
+    ``features``: ``head`` or ``state`` (:data:`laserlm.depth.heads.GATE_FEATURES`)."""
+    return nn.ModuleDict({str(e): ExitGate(hidden_size, None, uses_ats, features) for e in exit_points})
+
+
+def gate_inputs(gate: ExitGate, scalars: torch.Tensor) -> torch.Tensor:
+    """The columns of the ``[N, 6]`` head-feature scalars that ``gate`` reads (``state`` gates: the last 3,
+    saturation, ATS and depth, which :func:`~laserlm.training.heads.gate_scalars_batch` puts last)."""
+    return scalars if gate.features == "head" else scalars[:, -gate.num_scalars:]
 
 
 @dataclass
@@ -47,14 +55,16 @@ class GateTrainConfig:
 
 def train_gate(gate: ExitGate, hidden: torch.Tensor, scalars: torch.Tensor, labels: torch.Tensor,
                cfg: GateTrainConfig, progress: bool = True, desc: str = "train gate") -> list[float]:
-    """Fit ``gate`` on ``hidden [N, d]``, ``scalars [N, 6]``, ``labels [N]`` (1 = exiting keeps the token)."""
+    """Fit ``gate`` on ``hidden [N, d]``, ``scalars [N, 6]`` (head features; a ``state`` gate reads its columns),
+    ``labels [N]`` (1 = exiting keeps the token)."""
     cfg.validate()
     g = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(gate.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     n, losses = hidden.shape[0], []
     for _ in tqdm(range(cfg.steps), desc=desc, unit="step", disable=not progress, leave=False):
         idx = torch.randint(0, n, (min(cfg.batch_tokens, n),), generator=g)
-        loss = binary_focal_loss(gate(hidden[idx], scalars[idx]), labels[idx].float(), gamma=cfg.gamma)
+        loss = binary_focal_loss(gate(hidden[idx], gate_inputs(gate, scalars[idx])), labels[idx].float(),
+                                 gamma=cfg.gamma)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -65,7 +75,8 @@ def train_gate(gate: ExitGate, hidden: torch.Tensor, scalars: torch.Tensor, labe
 @torch.no_grad()
 def gate_probabilities(gates: nn.ModuleDict, hidden: dict, scalars: dict, exit_points: list[int]) -> torch.Tensor:
     """``[E, N]`` exit probabilities of each exit point's gate (``hidden``/``scalars`` keyed by exit point)."""
-    return torch.stack([torch.sigmoid(gates[str(e)](hidden[e], scalars[e])) for e in exit_points])
+    return torch.stack([torch.sigmoid(gates[str(e)](hidden[e], gate_inputs(gates[str(e)], scalars[e])))
+                        for e in exit_points])
 
 
 def auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:

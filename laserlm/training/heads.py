@@ -12,12 +12,10 @@ the features the adaptive scheduler computes at run time.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from ..depth.heads import ADAPTER_KINDS, ExitHead  # noqa: F401  (re-exported)
+from ..depth.heads import ADAPTER_KINDS, ExitHead, confidence_scalars, gate_scalars_batch  # noqa: F401  (re-exported)
 
 
 def make_exit_heads(engine, exit_points: list[int], adapter: str = "affine", rank: int = 16) -> nn.ModuleDict:
@@ -28,30 +26,3 @@ def make_exit_heads(engine, exit_points: list[int], adapter: str = "affine", ran
     """
     heads = nn.ModuleDict({str(e): ExitHead(engine.adapter, adapter, rank) for e in exit_points})
     return heads.float()
-
-
-def confidence_scalars(logits: torch.Tensor) -> torch.Tensor:
-    """``logits [N, V]`` -> ``[N, 3]``: top-1 probability, top-2 margin, entropy / ln V (CALM measures)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    top = p.topk(2, dim=-1).values
-    ent = -(p * logp).sum(-1) / math.log(logits.shape[-1])
-    return torch.stack([top[:, 0], top[:, 0] - top[:, 1], ent], dim=-1)
-
-
-def gate_scalars_batch(logits: torch.Tensor, hidden: torch.Tensor, hidden_in: torch.Tensor,
-                       ats: torch.Tensor | None, layer: int, num_layers: int) -> torch.Tensor:
-    """Batched :func:`laserlm.depth.heads.gate_scalars`: ``[N, 6]`` float32.
-
-    Args:
-        logits: ``[N, V]`` exit-head logits.
-        hidden, hidden_in: ``[N, d]`` hidden state leaving / entering the exit point's layer group.
-        ats: ``[N]`` attention transition scores (``None``: absent, 0).
-        layer: the exit point (layers run); ``num_layers``: L.
-    """
-    n = logits.shape[0]
-    conf = confidence_scalars(logits)
-    sat = torch.nn.functional.cosine_similarity(hidden_in.float(), hidden.float(), dim=-1)
-    a = ats.float() if ats is not None else torch.zeros(n)
-    pos = torch.full((n,), layer / num_layers)
-    return torch.cat([conf, sat[:, None], a[:, None], pos[:, None]], dim=-1)

@@ -21,13 +21,16 @@ import torch
 from tqdm.auto import tqdm
 
 from ..depth.groups import make_groups
+from ..depth.heads import GATE_FEATURES
 from ..errors import InvalidArgumentError
 from .artifact import save_artifact
 from .collect import ExitStates, collect_exit_states, load_text_tokens
 from .gates import GateTrainConfig, auroc, gate_probabilities, make_gates, train_gate
 from .heads import make_exit_heads
 from .router import DynamicRouter, collect_router_data, train_router
-from .thresholds import calibrate_threshold, candidate_thresholds, exit_decisions, position_losses
+from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
+from .thresholds import (calibrate_threshold, candidate_thresholds, exit_decisions, fixed_sequence_test,
+                         position_losses, resolve_target)
 from .train import (ExitOutputs, HeadTrainConfig, JointTrainConfig, compute_exit_outputs, joint_finetune,
                     train_heads)
 
@@ -47,6 +50,8 @@ class CalibrateConfig:
     adapter: str = "affine"            # tuned lens (Belrose et al. 2023)
     rank: int = 16
     use_ats: bool = True               # ATS gate feature (seed 004)
+    gate_features: str = "state"       # "state": cheap checks (hidden, saturation, ATS, depth); "head": + confidence
+    bridge: str = "propagate"          # thresholds certified on: propagate (real decoding) | deferred (exact states)
     heads: HeadTrainConfig = field(default_factory=HeadTrainConfig)
     gates: GateTrainConfig = field(default_factory=GateTrainConfig)
     joint: JointTrainConfig = field(default_factory=JointTrainConfig)
@@ -74,6 +79,12 @@ class CalibrateConfig:
             raise InvalidArgumentError(f"maximum perplexity increase must be > 0, got {self.max_ppl_increase}")
         if not 0 < self.delta < 1:
             raise InvalidArgumentError(f"delta must be in (0, 1), got {self.delta}")
+        if self.gate_features not in GATE_FEATURES:
+            raise InvalidArgumentError(f"unknown gate features '{self.gate_features}'; use one of "
+                                       f"{', '.join(GATE_FEATURES)}")
+        if self.bridge not in ("propagate", "deferred"):
+            raise InvalidArgumentError(f"thresholds can be calibrated for bridge 'propagate' or 'deferred', got "
+                                       f"'{self.bridge}'")
         if self.router_prompts < 0:
             raise InvalidArgumentError(f"router prompts must be >= 0, got {self.router_prompts}")
         self.heads.validate()
@@ -87,7 +98,7 @@ class CalibrateConfig:
     def training_key(self) -> dict:
         """The settings that determine the trained modules (thresholds can change on resume)."""
         d = self.to_dict()
-        for k in ("target_agreement", "max_ppl_increase", "delta", "p_value"):
+        for k in ("target_agreement", "max_ppl_increase", "delta", "p_value", "bridge"):
             d.pop(k)
         return d
 
@@ -129,7 +140,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
         if old != json.loads(json.dumps(key)):
             raise InvalidArgumentError(f"--resume: {work} was made with different settings; remove it or drop --resume")
     elif not resume:
-        for name in ("states", "heads", "gates", "joint", "router", "outputs"):
+        for name in ("states", "heads", "gates", "joint", "router", "outputs", "propagate_calib", "propagate_held"):
             (work / f"{name}.pt").unlink(missing_ok=True)
     key_file.write_text(json.dumps(key, indent=2))
     timings = {}
@@ -173,7 +184,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
 
     # 3. gates -----------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    gates = make_gates(engine.config.hidden_size, exits, cfg.use_ats)
+    gates = make_gates(engine.config.hidden_size, exits, cfg.use_ats, cfg.gate_features)
     g_out = None
     if (p := stage("gates")) is not None:
         gates.load_state_dict(torch.load(p))
@@ -244,19 +255,41 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
         torch.save({k: asdict(v) for k, v in (("calib", c_out), ("gate", g_out), ("before", before),
                                               ("after", after))}, work / "outputs.pt")
     stack = lambda d: torch.stack([d[e] for e in exits])  # noqa: E731
-    c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)
-    cands = candidate_thresholds(gate_probabilities(gates, gate_split.hidden, g_out.scalars, exits))
-    cal = calibrate_threshold(c_probs, stack(c_out.agree), target_agreement=cfg.target_agreement,
-                              max_ppl_increase=cfg.max_ppl_increase, nll=stack(c_out.nll), full_nll=c_out.full_nll,
-                              delta=cfg.delta, method=cfg.p_value, candidates=cands)
-    timings["thresholds_s"] = time.perf_counter() - t0
+    kind = "agreement" if cfg.target_agreement is not None else "ppl_increase"
+    g_probs = gate_probabilities(gates, gate_split.hidden, g_out.scalars, exits)
+    h_probs = gate_probabilities(gates, held.hidden, after.scalars, exits)
+    if cfg.bridge == "deferred":  # exact hidden states: replay the decisions on the collected states
+        c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)
+        cal = calibrate_threshold(c_probs, stack(c_out.agree), target_agreement=cfg.target_agreement,
+                                  max_ppl_increase=cfg.max_ppl_increase, nll=stack(c_out.nll),
+                                  full_nll=c_out.full_nll, delta=cfg.delta, method=cfg.p_value,
+                                  candidates=candidate_thresholds(g_probs))
+        timings["thresholds_s"] = time.perf_counter() - t0
+        dec = exit_decisions(h_probs, cal.threshold)
+        held_loss = position_losses(dec, stack(after.agree), stack(after.nll), after.full_nll, kind)
+        layers = torch.tensor(exits + [L], dtype=torch.float64)[dec]
+    else:  # propagate: every candidate is tested by decoding the calibration chunks with it
+        target, method = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
+        head_d, gate_d = {e: heads[str(e)] for e in exits}, {e: gates[str(e)] for e in exits}
+
+        def decoder(split, outputs, name):
+            return PropagateDecoding(engine, groups, head_d, gate_d, ats_layer,
+                                     chunk_sequences(tokens, split, cfg.seq_len), split, outputs.full_nll, kind,
+                                     progress=progress, cache_file=work / f"propagate_{name}.pt")
+
+        def report(entry):
+            _say(f"threshold {entry['threshold']:.4f}: risk {entry['risk']:.4f}, p-value {entry['p_value']:.3g}, "
+                 f"{entry['exit_fraction']:.1%} of tokens exit", progress)
+
+        cal = fixed_sequence_test(grid_thresholds(g_probs), decoder(calib, c_out, "calib"), target, cfg.delta, method,
+                                  on_test=report)
+        timings["thresholds_s"] = time.perf_counter() - t0
+        held_dec = decoder(held, after, "held")
+        held_loss, _ = held_dec(cal.threshold if cal.threshold is not None else 1.0)
+        layers = held_dec.last_layers.double()
+        dec = torch.tensor([exits.index(int(x)) if int(x) in exits else len(exits) for x in layers])
 
     # 7. summary on the held-out split -----------------------------------------------------------
-    h_probs = gate_probabilities(gates, held.hidden, after.scalars, exits)
-    dec = exit_decisions(h_probs, cal.threshold)
-    kind = "agreement" if cfg.target_agreement is not None else "ppl_increase"
-    held_loss = position_losses(dec, stack(after.agree), stack(after.nll), after.full_nll, kind)
-    layers = torch.tensor(exits + [L], dtype=torch.float64)[dec]
     per_exit = []
     for i, e in enumerate(exits):
         per_exit.append({
@@ -268,7 +301,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
             "gate_auroc": round(auroc(h_probs[i], after.agree[e]), 4),
             "exit_fraction": round(float((dec == i).double().mean()), 4),
         })
-    measured = {"positions": len(held), "mean_layers": round(float(layers.mean()), 3),
+    measured = {"positions": len(held), "bridge": cfg.bridge, "mean_layers": round(float(layers.mean()), 3),
                 "full_depth_fraction": round(float((dec == len(exits)).double().mean()), 4)}
     if kind == "agreement":
         measured["agreement"] = round(1 - float(held_loss.mean()), 5)
@@ -292,7 +325,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     # 1.0 = never exit when no threshold could be certified
     thresholds = {"gate_threshold": cal.threshold if cal.threshold is not None else 1.0}
     config = {"groups": groups.describe(), "min_depth": groups.min_depth, "policy": "gate",
-              "ats_layer": ats_layer, "calibration": summary}
+              "ats_layer": ats_layer, "bridge": cfg.bridge, "patience": 0, "calibration": summary}
     save_artifact(output, lm, {e: heads[str(e)] for e in exits}, {e: gates[str(e)] for e in exits},
                   thresholds, config, router)
     return summary

@@ -179,6 +179,29 @@ def calibrate_threshold(gate_probs: torch.Tensor, agree: torch.Tensor, *, target
     Raises:
         InvalidArgumentError: no target or both, targets/delta out of range, unknown method, missing NLLs.
     """
+    target, method = resolve_target(target_agreement, max_ppl_increase, delta, method)
+    kind = target["kind"]
+    if kind != "agreement" and (nll is None or full_nll is None):
+        raise InvalidArgumentError("a perplexity target needs per-position NLLs")
+    n = gate_probs.shape[1]
+    if n == 0:
+        raise InvalidArgumentError("the calibration split is empty")
+    cands = candidates if candidates is not None else candidate_thresholds(gate_probs)
+
+    def losses_at(lam):
+        d = exit_decisions(gate_probs, lam)
+        return position_losses(d, agree, nll, full_nll, kind), float((d < gate_probs.shape[0]).double().mean())
+
+    return fixed_sequence_test(cands, losses_at, target, delta, method)
+
+
+def resolve_target(target_agreement: float | None, max_ppl_increase: float | None, delta: float,
+                   method: str | None) -> tuple[dict, str]:
+    """Check a quality target and p-value method; returns ``(target dict, method)``.
+
+    Raises:
+        InvalidArgumentError: no target or both, values out of range, unknown or unsuitable method.
+    """
     if (target_agreement is None) == (max_ppl_increase is None):
         raise InvalidArgumentError("give exactly one target: a target agreement or a maximum perplexity increase")
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
@@ -186,29 +209,42 @@ def calibrate_threshold(gate_probs: torch.Tensor, agree: torch.Tensor, *, target
     if target_agreement is not None:
         if not 0 < target_agreement < 1:
             raise InvalidArgumentError(f"target agreement must be in (0, 1), got {target_agreement}")
-        kind, alpha = "agreement", 1.0 - target_agreement
-        target = {"kind": kind, "value": target_agreement, "alpha": alpha}
+        target = {"kind": "agreement", "value": target_agreement, "alpha": 1.0 - target_agreement}
         method = method or "binomial"
     else:
         if not max_ppl_increase > 0:
             raise InvalidArgumentError(f"maximum perplexity increase must be > 0, got {max_ppl_increase}")
-        if nll is None or full_nll is None:
-            raise InvalidArgumentError("a perplexity target needs per-position NLLs")
-        kind, alpha = "ppl_increase", math.log1p(max_ppl_increase)
-        target = {"kind": kind, "value": max_ppl_increase, "alpha": alpha}
+        target = {"kind": "ppl_increase", "value": max_ppl_increase, "alpha": math.log1p(max_ppl_increase)}
         method = method or "clt"
         if method != "clt":
             raise InvalidArgumentError("the perplexity target supports only the 'clt' p-value (NLL is unbounded)")
     if method not in P_VALUE_METHODS:
         raise InvalidArgumentError(f"unknown p-value method {method!r}; use one of {', '.join(P_VALUE_METHODS)}")
-    n = gate_probs.shape[1]
-    if n == 0:
-        raise InvalidArgumentError("the calibration split is empty")
-    cands = candidates if candidates is not None else candidate_thresholds(gate_probs)
-    chosen, chosen_risk, chosen_p, tested, curve = None, 0.0, 0.0, 0, []
-    for lam in cands:
-        d = exit_decisions(gate_probs, lam)
-        losses = position_losses(d, agree, nll, full_nll, kind)
+    return target, method
+
+
+def fixed_sequence_test(candidates: list[float], losses_at, target: dict, delta: float, method: str,
+                        on_test=None) -> Calibration:
+    """Learn-then-Test fixed-sequence testing over ``candidates`` (strict to loose).
+
+    Args:
+        candidates: thresholds, ordered before looking at the calibration data.
+        losses_at: ``fn(threshold) -> (losses [n] float64, exit_fraction)``: per-position losses on the
+            calibration split when that threshold is used (0/1 disagreements, or NLL increases). This is where
+            the decoding the guarantee is about happens: replayed exact states, or real ``propagate`` decoding.
+        target: from :func:`resolve_target`; ``delta``, ``method``: as in :func:`calibrate_threshold`.
+        on_test: optional ``fn(curve_entry)`` called after each tested candidate (progress reporting).
+
+    Returns:
+        :class:`Calibration` with the loosest threshold whose null hypothesis ``risk > alpha`` was rejected.
+    """
+    kind, alpha = target["kind"], target["alpha"]
+    chosen, chosen_risk, chosen_p, tested, curve, n = None, 0.0, 0.0, 0, [], 0
+    for lam in candidates:
+        losses, exit_frac = losses_at(lam)
+        n = losses.numel()
+        if n == 0:
+            raise InvalidArgumentError("the calibration split is empty")
         risk = float(losses.mean())
         if method == "binomial":
             p = binomial_p_value(float(losses.sum()), n, alpha)
@@ -217,11 +253,14 @@ def calibrate_threshold(gate_probs: torch.Tensor, agree: torch.Tensor, *, target
         else:
             p = clt_p_value(risk, float(losses.std()) if n > 1 else 0.0, n, alpha)
         tested += 1
-        exit_frac = float((d < gate_probs.shape[0]).double().mean())
         curve.append({"threshold": lam, "risk": risk, "p_value": p, "exit_fraction": exit_frac})
+        if on_test is not None:
+            on_test(curve[-1])
         if p > delta:
             break
         chosen, chosen_risk, chosen_p = lam, risk, p
+    target_agreement = target["value"] if kind == "agreement" else None
+    max_ppl_increase = target["value"] if kind != "agreement" else None
     what = (f"top-1 agreement with the full model >= {target_agreement:g}" if kind == "agreement"
             else f"perplexity increase <= {max_ppl_increase:.1%} (mean NLL increase <= {alpha:.4f} nats)")
     if chosen is None:

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
 from .collect import ExitStates
+from .gates import gate_inputs
 from .heads import gate_scalars_batch
 from .losses import binary_focal_loss, kl_distillation
 
@@ -246,7 +247,7 @@ def joint_finetune(heads: nn.ModuleDict, gates: nn.ModuleDict, teacher_fn, data:
                 ats = data.ats[idx] if data.ats is not None else None
                 scalars = gate_scalars_batch(logits.detach(), h, data.hidden[data.group_start[e]][idx], ats, e,
                                              num_layers)
-                gate_logit = gates[str(e)](h, scalars)
+                gate_logit = gates[str(e)](h, gate_inputs(gates[str(e)], scalars))
                 label = (logits.detach().argmax(-1) == data.full_top1[idx]).float()
                 weight = 1.0 + cfg.exit_weight * (torch.sigmoid(gate_logit.detach()) > threshold).float()
                 total = total + (weight * kl).mean() + cfg.gate_loss_weight * binary_focal_loss(
