@@ -445,3 +445,39 @@ def test_deferred_replay_score_equals_token_by_token_decode(smol):
     assert dec.layers.tolist() == rep.layers.tolist()
     assert (dec.layers < eng.num_layers).any() and (dec.layers == eng.num_layers).sum() > 1  # both kinds occur
     torch.testing.assert_close(dec.logits, rep.logits, atol=2e-4, rtol=1e-4)
+
+
+def test_router_caps_the_depth_of_a_request(smol, tmp_path):
+    """A router that picks exit point 15 makes every generated token stop there (read by the exit head there);
+    one that picks full depth changes nothing; router=1 without a trained router is a clear error."""
+    from laserlm.runtime.sampling import SamplingParams
+    from laserlm.training.router import DynamicRouter
+
+    eng = smol.engine
+    groups = make_groups(None, eng.num_layers, None)
+    ids = prompt_ids(smol)
+    params = SamplingParams(max_new_tokens=6)
+
+    def run(route_index):
+        router = None
+        if route_index is not None:
+            router = DynamicRouter(eng.config.hidden_size, groups.exit_points)
+            with torch.no_grad():
+                router.linear.weight.zero_()
+                router.linear.bias.copy_(torch.nn.functional.one_hot(torch.tensor(route_index),
+                                                                      len(groups.exit_points) + 1).float())
+        mode = AdaptiveDepth(eng, groups, Never(), "propagate", patience=0, router=router)
+        return list(mode.tokens(eng, ids, params, 6))
+
+    plain, full, capped = run(None), run(len(groups.exit_points)), run(1)
+    assert [e.token_id for e in full] == [e.token_id for e in plain]
+    assert [e.layers for e in capped[1:]] == [15] * 5 and capped[0].layers == eng.num_layers  # prefill is full
+    # the capped tokens are what the plain LM head reads at layer 15 of a propagate decode: check the first one
+    with torch.inference_mode():
+        eng.reset()
+        eng.forward(torch.cat([ids, torch.tensor([capped[0].token_id])]).unsqueeze(0)[:, :-1])
+        h, st = eng.begin(torch.tensor([[capped[0].token_id]]))
+        h = eng.run_layers(0, 15, h, st)
+        assert int(eng.head(h)[0, 0].argmax()) == capped[1].token_id
+    with pytest.raises(InvalidArgumentError, match="router=1 needs a laser file"):
+        make_mode("adaptive:router=1", eng)

@@ -6,7 +6,8 @@ Importing this package registers three decoding modes (:mod:`laserlm.runtime.mod
 - ``adaptive:groups=5,policy=confidence,threshold=0.9,measure=max,min_depth=8,patience=3,bridge=propagate``
   (other options: ``saturation_threshold``, ``ats_threshold``, ``ats_layer``, ``gate_threshold``,
   ``combine=all|any``, ``compensation=MAX_CHANGE``, ``laser=PATH`` for trained heads/gates,
-  ``score=decode|replay`` for evaluation); policies join with ``+`` (``policy=confidence+ats``);
+  ``score=decode|replay`` for evaluation, ``router=1`` to let the file's sequence-level router cap the depth of
+  each request); policies join with ``+`` (``policy=confidence+ats``);
 - ``static:layers=K`` (keep K layers, drop the lowest Block Influence ones, ``calib=PATH`` text) or
   ``static:drop=12/13/14``;
 - ``early-exit:layer=N`` (every token stops after N layers; ``laser=PATH`` for a trained head).
@@ -50,7 +51,7 @@ def _reject_unknown(mode: str, opts: dict, known: str) -> None:
 
 
 ADAPTIVE_OPTIONS = ("groups, policy, threshold, measure, min_depth, patience, bridge, saturation_threshold, "
-                    "ats_threshold, ats_layer, gate_threshold, combine, compensation, laser, score")
+                    "ats_threshold, ats_layer, gate_threshold, combine, compensation, laser, score, router")
 
 
 def make_adaptive(engine, **opts) -> AdaptiveDepth:
@@ -61,8 +62,9 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
     """
     opts = dict(opts)
     art = None
-    if "laser" in opts:
-        art = load_laser_file(opts.pop("laser"), engine)
+    laser_path = opts.pop("laser", None)
+    if laser_path is not None:
+        art = load_laser_file(laser_path, engine)
     file_cfg = art.config if art else {}
     file_thr = art.thresholds if art else {}
     L = engine.num_layers
@@ -84,9 +86,17 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
     patience = _num(opts, "patience", int, file_cfg.get("patience", 3))
     ats_layer = _num(opts, "ats_layer", int, file_cfg.get("ats_layer"))
     score = opts.pop("score", None)
+    router = None
+    if str(opts.pop("router", "0")).lower() in ("1", "true", "yes"):
+        if art is None or "router" not in art.config:
+            raise InvalidArgumentError("router=1 needs a laser file with a trained router (laser=PATH from "
+                                       "`laserlm calibrate` with --router-prompts > 0)")
+        from ..training.artifact import load_artifact  # noqa: PLC0415  (training builds on depth)
+
+        router = load_artifact(laser_path, engine).router
     _reject_unknown("adaptive", opts, ADAPTIVE_OPTIONS)
     return AdaptiveDepth(engine, groups, policy, make_bridge(bridge), patience=patience,
-                         heads=art.heads if art else None, ats_layer=ats_layer, score=score)
+                         heads=art.heads if art else None, ats_layer=ats_layer, score=score, router=router)
 
 
 def make_static(engine, **opts) -> LayerSubset:

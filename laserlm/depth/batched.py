@@ -49,7 +49,8 @@ class BatchScore:
 
 def supports_batched_score(mode) -> bool:
     """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (propagate bridge, no patience)."""
-    return isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "patience", 1) == 0
+    return (isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "patience", 1) == 0
+            and getattr(mode, "router", None) is None)
 
 
 def _batch_engine(engine, batch_size: int, seq_len: int):
@@ -90,7 +91,7 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
         ContextLengthError: a sequence longer than the engine's context.
     """
     if not supports_batched_score(mode):
-        raise InvalidArgumentError("batched scoring needs bridge=propagate and patience=0")
+        raise InvalidArgumentError("batched scoring needs bridge=propagate and patience=0 (and no router)")
     if not seqs or any(len(s) == 0 for s in seqs):
         raise InvalidArgumentError("batched scoring needs non-empty sequences")
     from ..errors import ContextLengthError  # noqa: PLC0415

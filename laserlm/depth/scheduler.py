@@ -41,6 +41,8 @@ from .groups import LayerGroups
 from .policies import ExitPoint, ExitPolicy
 from .stats import EventStream
 
+ROUTER_PROMPT = 64  # tokens the router sees when scoring a sequence teacher-forced (calibration's prompt length)
+
 
 @dataclass
 class PatienceState:
@@ -64,6 +66,11 @@ class AdaptiveDepth:
         ats_layer: layer where the ATS is measured (only when the policy needs it).
         score: how :meth:`score` runs: ``"decode"`` (token by token, any bridge) or ``"replay"`` (batched, exact
             only for ``deferred``; the default there).
+        router: optional sequence-level router (seed 004's DynamicRouter, ``route(engine, prompt_ids) -> layers``):
+            at prefill it picks a depth for the whole request from the prompt's first-layer hidden states; every
+            generated token then stops at that exit point at the latest (earlier exit points still ask the
+            policy). For teacher-forced :meth:`score` the route is chosen from the first ``ROUTER_PROMPT``
+            tokens of the sequence.
 
     Raises:
         InvalidArgumentError: bad patience or an ATS layer at or after the first exit point.
@@ -72,8 +79,11 @@ class AdaptiveDepth:
     name = "adaptive"
 
     def __init__(self, engine, groups: LayerGroups, policy: ExitPolicy, bridge="propagate", patience: int = 3,
-                 heads: dict | None = None, ats_layer: int | None = None, score: str | None = None):
+                 heads: dict | None = None, ats_layer: int | None = None, score: str | None = None,
+                 router=None):
         self.groups = groups
+        self.router = router
+        self.route_layer = groups.num_layers
         self.policy = policy
         self.bridge: Bridge = make_bridge(bridge) if isinstance(bridge, str) else bridge
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
@@ -92,17 +102,22 @@ class AdaptiveDepth:
             self.ats_layer = ats_layer
         self.state = PatienceState()
         self._prev_probs = None
+        if router is not None and router.exit_points != [b for _, b in groups.bounds if b in router.exit_points]:
+            raise InvalidArgumentError(f"the router's exit points {router.exit_points} are not group boundaries of "
+                                       f"{groups.describe()}")
         if score is None:
-            score = "replay" if isinstance(self.bridge, DeferredBridge) else "decode"
+            score = "replay" if isinstance(self.bridge, DeferredBridge) and router is None else "decode"
         if score not in ("decode", "replay"):
             raise InvalidArgumentError(f"score must be 'decode' or 'replay', got '{score}'")
-        if score == "replay" and not isinstance(self.bridge, DeferredBridge):
-            raise InvalidArgumentError("score=replay is exact only for bridge=deferred; use score=decode")
+        if score == "replay" and (not isinstance(self.bridge, DeferredBridge) or router is not None):
+            raise InvalidArgumentError("score=replay is exact only for bridge=deferred without a router; "
+                                       "use score=decode")
         self.score_method = score
 
     def describe(self) -> str:
         return (f"adaptive(groups={self.groups.describe()}, min_depth={self.groups.min_depth}, "
-                f"policy={self.policy.describe()}, bridge={self.bridge.name}, patience={self.patience})")
+                f"policy={self.policy.describe()}, bridge={self.bridge.name}, patience={self.patience}"
+                f"{', router' if self.router is not None else ''})")
 
     # -- helpers ---------------------------------------------------------------------------------
     def _head(self, engine, layer: int):
@@ -134,6 +149,8 @@ class AdaptiveDepth:
     def prefill(self, engine, input_ids: torch.Tensor) -> torch.Tensor:
         """Reset, then run ``input_ids [T]`` at full depth; returns the last position's logits ``[V]``."""
         self.reset(engine)
+        if self.router is not None:
+            self.route_layer = self.router.route(engine, input_ids.reshape(-1))
         h, st = engine.begin(input_ids.reshape(1, -1))
         self._configure(engine, st)
         h = engine.run_layers(0, engine.num_layers, h, st)
@@ -146,6 +163,9 @@ class AdaptiveDepth:
         """Ask the policy at the end of group ``g`` (``h``/``h_in`` ``[d]``); returns ``(exit?, point, checks_on)``.
         Applies min depth and the patience lock (shared by :meth:`step` and the replayed score)."""
         b = self.groups.bounds[g][1]
+        if self.route_layer <= b < engine.num_layers:  # the router's depth for this request is a hard cap
+            return True, ExitPoint(g, b, engine.num_layers, h, h_in, head=head if head is not None else
+                                   self._head(engine, b), ats=ats), checks_on
         if b == engine.num_layers or not checks_on or not self.groups.can_exit(g):
             return False, None, checks_on
         if locked is not None and g < locked:
@@ -347,6 +367,8 @@ class AdaptiveDepth:
         out = torch.empty(t, engine.config.vocab_size, dtype=torch.float32)
         layers = torch.empty(t)
         out[0] = self.prefill(engine, ids[:1])
+        if self.router is not None:
+            self.route_layer = self.router.route(engine, ids[:ROUTER_PROMPT])
         layers[0] = engine.num_layers
         self.last_infos = []
         for i in range(1, t):

@@ -303,6 +303,10 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
         })
     measured = {"positions": len(held), "bridge": cfg.bridge, "mean_layers": round(float(layers.mean()), 3),
                 "full_depth_fraction": round(float((dec == len(exits)).double().mean()), 4)}
+    # where the losses fall: at exited tokens, or (propagate only) at full-depth tokens reading bridged K/V
+    exited = dec < len(exits)
+    measured["loss_at_exited_tokens"] = round(float((held_loss * exited).sum()) / max(len(held), 1), 5)
+    measured["loss_at_full_depth_tokens"] = round(float((held_loss * ~exited).sum()) / max(len(held), 1), 5)
     if kind == "agreement":
         measured["agreement"] = round(1 - float(held_loss.mean()), 5)
         measured["target_met"] = bool(measured["agreement"] >= cfg.target_agreement)
@@ -346,6 +350,9 @@ def format_summary(s: dict) -> str:
     measured = (f"agreement {h['agreement']:.4f}" if "agreement" in h else f"perplexity increase {h['ppl_increase']:.2%}")
     lines.append(f"  held-out split ({h['positions']} positions): {measured}, mean layers {h['mean_layers']:.2f}, "
                  f"full depth {h['full_depth_fraction']:.1%}, target met: {h['target_met']}")
+    if "loss_at_exited_tokens" in h:
+        lines.append(f"  held-out loss per position: {h['loss_at_exited_tokens']:.4f} at exited tokens, "
+                     f"{h['loss_at_full_depth_tokens']:.4f} at full-depth tokens ({h['bridge']} bridge)")
     if s.get("router"):
         lines.append(f"  router: {s['router']}")
     lines.append(f"  time: {s['timings_s']}")
