@@ -35,7 +35,8 @@ EVAL=(eval -m smollm2-135m -t 2 --tasks wikitext,agreement,lambada,hellaswag,arc
 if [[ $step == eval || $step == all ]]; then  # one file per family (full depth is in each)
   $LL "${EVAL[@]}" "${DEF[@]}" "${STA[@]}" --json $OUT/pareto_eval_deferred_static.json
   $LL "${EVAL[@]}" "${CAL[@]}" --json $OUT/pareto_eval_propagate.json
-  $LL "${EVAL[@]}" "${NAI[@]}" --json $OUT/pareto_eval_naive.json
+  $LL eval -m smollm2-135m -t 2 --tasks wikitext,agreement --ppl-windows 40 --no-progress "${NAI[@]}" \
+      --json $OUT/pareto_eval_naive.json
 fi
 
 if [[ $step == bench || $step == all ]]; then

@@ -191,6 +191,8 @@ def laser_mode_spec(mode: str, laser: str) -> str:
     """``--laser PATH``: ``full`` becomes ``adaptive:laser=PATH,patience=0`` (the setting the calibration's
     guarantee is about); an ``adaptive`` or ``speculative`` spec gets ``laser=PATH`` added (speculative drafts
     with the file's exit head); other modes are an error."""
+    if not str(laser).strip():
+        raise LaserLMError("--laser needs the path of a laser file (from `laserlm calibrate`)")
     name, _, rest = mode.partition(":")
     if name == "full" and not rest:
         return f"adaptive:laser={laser},patience=0"
@@ -235,7 +237,7 @@ def cmd_generate(args) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     SamplingParams(**sampling).validate()  # fail before the model loads
-    if getattr(args, "laser", None):
+    if getattr(args, "laser", None) is not None:
         args.mode = laser_mode_spec(args.mode, args.laser)
     if not prompt.strip():
         raise LaserLMError("empty prompt: give some text to continue")

@@ -215,3 +215,50 @@ def test_eval_scorer_uses_batched_propagate_scoring(smol):
         torch.testing.assert_close(a.token_logprobs, b.token_logprobs, atol=1e-4, rtol=1e-4)
         assert torch.equal(a.argmax, b.argmax) and a.greedy == b.greedy
         assert a.layers.tolist() == b.layers.tolist()
+
+
+def test_damaged_laser_file_is_detected(tmp_path, smol):
+    from laserlm.depth import LaserArtifact, load_laser_file, save_laser_file
+    from laserlm.errors import CorruptModelError
+
+    eng = smol.engine
+    groups = make_groups(None, eng.num_layers, None)
+    art = LaserArtifact(gates=_random_state_gates(eng.config.hidden_size, groups.exit_points),
+                        thresholds={"gate_threshold": 0.9}, config={"policy": "gate"})
+    path = save_laser_file(tmp_path / "x.safetensors", eng, art)
+    assert load_laser_file(path, eng).gates  # intact: loads
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF  # flip bits inside the tensor data (the header is at the start)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptModelError, match="checksum"):
+        load_laser_file(path, eng)
+
+
+def test_router_is_conservative():
+    """Constant labels give the constant router; an unsure router falls back to full depth."""
+    from laserlm.training.router import DynamicRouter, RouterData, train_router
+
+    class FakeEngine:
+        num_layers = 30
+
+    g = torch.Generator().manual_seed(0)
+    pooled = torch.randn(8, 16, generator=g)
+    router = DynamicRouter(16, [10, 20])
+    train_router(router, RouterData(pooled, torch.full((8,), 2)))
+    far = pooled[0] + 100 * torch.randn(16, generator=g)  # a prompt unlike any training prompt
+    for x in (pooled[0], far):
+        assert int(router(x.unsqueeze(0)).argmax()) == 2
+    import laserlm.training.router as R
+
+    orig = R.pooled_first_layer
+    try:
+        R.pooled_first_layer = lambda engine, ids: ids
+        router = DynamicRouter(16, [10, 20])
+        with torch.no_grad():
+            router.linear.bias.copy_(torch.tensor([0.6, 0.0, 0.0]))  # route 0 most likely, but p < 0.9
+        assert router.route(FakeEngine(), torch.zeros(16)) == 30
+        with torch.no_grad():
+            router.linear.bias.copy_(torch.tensor([5.0, 0.0, 0.0]))  # p > 0.9
+        assert router.route(FakeEngine(), torch.zeros(16)) == 10
+    finally:
+        R.pooled_first_layer = orig

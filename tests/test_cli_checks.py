@@ -128,3 +128,24 @@ def test_speculative_auto_announces_the_search(smol, monkeypatch, capsys, one_to
     assert mode.calibration is not None
     notices = [ln for ln in err.splitlines() if "speculative auto: searching" in ln]
     assert len(notices) == 1 and notices[0].startswith("laserlm: ")
+
+
+# -- calibrate output paths and laser options (second newcomer review) ------------------------------
+@pytest.mark.parametrize("make, message", [
+    (lambda d: str(d), "is a directory"),
+    (lambda d: str(d / "r.json"), "report's name"),
+    (lambda d: str(d / "missing" / "x.safetensors"), "does not exist"),
+])
+def test_calibrate_bad_output_fails_before_loading(capsys, no_model_load, tmp_path, make, message):
+    line = run_cli(capsys, ["calibrate", "-o", make(tmp_path)])
+    assert message in line
+
+
+def test_calibrate_work_dir_that_is_a_file(capsys, no_model_load, tmp_path):
+    (tmp_path / "w").write_text("x")
+    line = run_cli(capsys, ["calibrate", "-o", str(tmp_path / "x.safetensors"), "--work-dir", str(tmp_path / "w")])
+    assert "not a directory" in line
+
+
+def test_empty_laser_path_is_an_error(capsys, no_model_load):
+    assert "--laser needs the path" in run_cli(capsys, ["generate", "hi", "--laser", ""])

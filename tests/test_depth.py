@@ -464,8 +464,8 @@ def test_router_caps_the_depth_of_a_request(smol, tmp_path):
             router = DynamicRouter(eng.config.hidden_size, groups.exit_points)
             with torch.no_grad():
                 router.linear.weight.zero_()
-                router.linear.bias.copy_(torch.nn.functional.one_hot(torch.tensor(route_index),
-                                                                      len(groups.exit_points) + 1).float())
+                router.linear.bias.copy_(10.0 * torch.nn.functional.one_hot(torch.tensor(route_index),
+                                                                             len(groups.exit_points) + 1).float())
         mode = AdaptiveDepth(eng, groups, Never(), "propagate", patience=0, router=router)
         return list(mode.tokens(eng, ids, params, 6))
 
@@ -481,3 +481,5 @@ def test_router_caps_the_depth_of_a_request(smol, tmp_path):
         assert int(eng.head(h)[0, 0].argmax()) == capped[1].token_id
     with pytest.raises(InvalidArgumentError, match="router=1 needs a laser file"):
         make_mode("adaptive:router=1", eng)
+    with pytest.raises(InvalidArgumentError, match="router must be 0 or 1"):
+        make_mode("adaptive:router=maybe", eng)

@@ -87,7 +87,10 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
     ats_layer = _num(opts, "ats_layer", int, file_cfg.get("ats_layer"))
     score = opts.pop("score", None)
     router = None
-    if str(opts.pop("router", "0")).lower() in ("1", "true", "yes"):
+    flag = str(opts.pop("router", "0")).lower()
+    if flag not in ("0", "1", "true", "false", "yes", "no"):
+        raise InvalidArgumentError(f"router must be 0 or 1, got '{flag}'")
+    if flag in ("1", "true", "yes"):
         if art is None or "router" not in art.config:
             raise InvalidArgumentError("router=1 needs a laser file with a trained router (laser=PATH from "
                                        "`laserlm calibrate` with --router-prompts > 0)")

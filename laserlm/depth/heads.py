@@ -230,6 +230,18 @@ def check_identity(config: dict, engine, path: str = "laser file") -> None:
             (": the weights differ" if diff == ["weights"] else ""))
 
 
+def tensors_digest(tensors: dict) -> str:
+    """sha256 over a laser file's tensors (names, dtypes, shapes and bytes, in name order): detects damaged data."""
+    import hashlib  # noqa: PLC0415
+
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def save_laser_file(path, engine, artifact: LaserArtifact) -> Path:
     """Write ``artifact`` for ``engine``'s model to ``path`` (one safetensors file, JSON config in metadata)."""
     from safetensors.torch import save_file  # noqa: PLC0415
@@ -249,6 +261,7 @@ def save_laser_file(path, engine, artifact: LaserArtifact) -> Path:
         "gates": {str(int(k)): g.config_dict() for k, g in artifact.gates.items()},
         "thresholds": artifact.thresholds,
         "config": artifact.config,
+        "tensors_sha256": tensors_digest(tensors),
     }
     path = Path(path)
     save_file(tensors, str(path), metadata={"laserlm": json.dumps(config)})
@@ -284,6 +297,9 @@ def load_laser_file(path, engine) -> LaserArtifact:
     if version != FORMAT_VERSION:
         raise CorruptModelError(f"{path} has laser file format version {version!r}; this laserlm reads version "
                                 f"{FORMAT_VERSION}")
+    want = config.get("tensors_sha256")
+    if want is not None and tensors_digest(tensors) != want:
+        raise CorruptModelError(f"{path}: tensor data is damaged (checksum mismatch); recalibrate or copy it again")
     check_identity(config, engine, str(path))
     art = LaserArtifact(thresholds=config.get("thresholds", {}), config=config.get("config", {}),
                         identity=config.get("identity", {}))

@@ -98,7 +98,8 @@ class AdaptiveDepth:
                 ats_layer = first - 1
             if not isinstance(ats_layer, int) or not 0 <= ats_layer < first:
                 raise InvalidArgumentError(
-                    f"ats_layer must be a layer before the first exit point (0-{first - 1}), got {ats_layer!r}")
+                    f"ats_layer must be a layer before the first exit point (0-{first - 1}), got {ats_layer!r} (a laser "
+                    "file's gates read the ATS at the layer they were trained with: keep the file's groups)")
             self.ats_layer = ats_layer
         self.state = PatienceState()
         self._prev_probs = None

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..depth.heads import FORMAT_VERSION, LaserArtifact, load_laser_file, save_laser_file
+from ..depth.heads import FORMAT_VERSION, LaserArtifact, load_laser_file, save_laser_file, tensors_digest
 from ..errors import CorruptModelError, InvalidArgumentError
 from .router import DynamicRouter
 
@@ -120,7 +120,9 @@ def save_artifact(path, lm, heads: dict, gates: dict, thresholds: dict, config: 
             meta = f.metadata()
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         tensors.update({f"router.{k}": v.detach().contiguous() for k, v in router.state_dict().items()})
-        save_file(tensors, str(tmp), metadata=meta)
+        cfg = json.loads(meta["laserlm"])
+        cfg["tensors_sha256"] = tensors_digest(tensors)  # now covering the router too
+        save_file(tensors, str(tmp), metadata={**meta, "laserlm": json.dumps(cfg)})
     tmp.replace(path)
     from safetensors import safe_open  # noqa: PLC0415
 

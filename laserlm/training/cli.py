@@ -23,11 +23,18 @@ defaults and sources:
 
 example:
   laserlm calibrate -m smollm2-135m --target-agreement 0.99 --delta 0.1 -o smol.laser.safetensors
+      (about 6 min on 2 idle cores at the default sizes; writes smol.laser.json, the report, beside it)
   laserlm generate "The capital of France is" --laser smol.laser.safetensors
       (= --mode adaptive:laser=smol.laser.safetensors: the bridge the thresholds were calibrated for,
       patience 0)
 
 on a CPU shared with other jobs, --threads 1 can be several times faster than oversubscribed threads.
+
+what the guarantee means: with probability >= 1 - delta over the calibration text, the top-1 agreement with
+the full model (per generated position, patience 0, the stated bridge, this dtype) is >= the target on text
+like the calibration text, assuming positions are exchangeable. Tokens of one document are correlated, so
+small calibration splits overstate the evidence; the run checks the target on a separate held-out split and
+warns when it is missed.
 """
 
 
@@ -91,7 +98,8 @@ def add_parser(subparsers) -> None:
                    help="gate inputs: state (cheap checks, default) or head (adds exit-head confidence)")
     p.add_argument("--bridge", choices=["propagate", "deferred"], default="propagate",
                    help="decoding the thresholds are certified for: propagate (default: real decoding of the "
-                        "calibration text, saves compute) or deferred (exact states, saves no FLOPs)")
+                        "calibration text; skipped layers only get K/V projections) or deferred (exact states; "
+                        "the skipped layers still run, one step later)")
     p.add_argument("--head-steps", type=_positive(int, "--head-steps", True), default=250,
                    help="exit-head training steps (default: %(default)s)")
     p.add_argument("--head-lr", type=_positive(float, "--head-lr"), default=1e-3,
@@ -145,6 +153,27 @@ def config_from_args(args):
     ).validate()
 
 
+def check_output_paths(out, work_dir=None) -> None:
+    """Fail before any work when the artifact, its report or the work directory cannot be written.
+
+    Raises:
+        InvalidArgumentError: missing parent directory, an output that is a directory or ends in ``.json`` (the
+            report's name), or a work directory that is an existing file.
+    """
+    from pathlib import Path  # noqa: PLC0415
+
+    out = Path(out)
+    if not out.parent.is_dir():
+        raise InvalidArgumentError(f"output directory does not exist: {out.parent}")
+    if out.is_dir():
+        raise InvalidArgumentError(f"--output {out} is a directory; give a file name such as {out / 'model.laser.safetensors'}")
+    if out.suffix == ".json":
+        raise InvalidArgumentError(f"--output {out}: .json is the report's name; use .safetensors for the artifact")
+    work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
+    if work.exists() and not work.is_dir():
+        raise InvalidArgumentError(f"work directory {work} exists and is not a directory")
+
+
 def cmd_calibrate(args) -> int:
     from pathlib import Path  # noqa: PLC0415
 
@@ -155,8 +184,7 @@ def cmd_calibrate(args) -> int:
     if cfg.max_ppl_increase is not None and args.p_value not in (None, "clt"):
         raise InvalidArgumentError("--max-ppl-increase supports only --p-value clt (the NLL is unbounded)")
     out = Path(args.output)
-    if not out.parent.is_dir():
-        raise InvalidArgumentError(f"output directory does not exist: {out.parent}")
+    check_output_paths(out, args.work_dir)
     lm = load_from_args(args)
     summary = calibrate(lm, cfg, out, resume=args.resume, progress=not args.quiet, work_dir=args.work_dir)
     if args.json:
@@ -164,4 +192,8 @@ def cmd_calibrate(args) -> int:
     else:
         print(format_summary(summary))
         print(f"wrote {out} (report: {out.with_suffix('.json')})", file=sys.stderr)
+    if not summary["held_out"]["target_met"]:
+        print("laserlm: warning: the held-out split missed the target although the calibration split certified it. "
+              "Positions of one document are correlated, so small splits overstate the evidence: use more "
+              "--calib-tokens (and --eval-tokens) before trusting this guarantee.", file=sys.stderr)
     return 0

@@ -351,9 +351,13 @@ def format_summary(s: dict) -> str:
     lines.append(f"  held-out split ({h['positions']} positions): {measured}, mean layers {h['mean_layers']:.2f}, "
                  f"full depth {h['full_depth_fraction']:.1%}, target met: {h['target_met']}")
     if "loss_at_exited_tokens" in h:
-        lines.append(f"  held-out loss per position: {h['loss_at_exited_tokens']:.4f} at exited tokens, "
-                     f"{h['loss_at_full_depth_tokens']:.4f} at full-depth tokens ({h['bridge']} bridge)")
+        lines.append(f"  held-out losses as a share of all positions: {h['loss_at_exited_tokens']:.4f} at tokens that "
+                     f"exited, {h['loss_at_full_depth_tokens']:.4f} at full-depth tokens ({h['bridge']} bridge)")
     if s.get("router"):
-        lines.append(f"  router: {s['router']}")
+        r = s["router"]
+        hist = ", ".join(f"{k}: {v}" for k, v in r["label_histogram"].items())
+        acc = "n/a" if r.get("held_out_accuracy") is None else f"{r['held_out_accuracy']:.2f}"
+        lines.append(f"  router: route labels (layers: prompts) {hist}; held-out accuracy {acc} on "
+                     f"{r['held_out_prompts']} prompts (use with adaptive:laser=PATH,router=1)")
     lines.append(f"  time: {s['timings_s']}")
     return "\n".join(lines)

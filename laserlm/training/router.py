@@ -21,6 +21,7 @@ from ..errors import InvalidArgumentError
 from .losses import focal_loss
 
 ROUTER_LAYER = 1  # pooled hidden state after the first decoder layer (seed 004)
+MIN_ROUTE_CONFIDENCE = 0.9  # below this the request runs at full depth (our safety rule, not the seed's)
 
 
 class DynamicRouter(nn.Module):
@@ -42,10 +43,17 @@ class DynamicRouter(nn.Module):
         return self.linear((pooled.float() - self.mean) / self.std)
 
     @torch.no_grad()
-    def route(self, engine, prompt_ids: torch.Tensor) -> int:
-        """Number of decoder layers to run for this request (an exit point, or ``num_layers``)."""
-        r = int(self(pooled_first_layer(engine, prompt_ids).unsqueeze(0)).argmax(-1))
-        return self.exit_points[r] if r < len(self.exit_points) else engine.num_layers
+    def route(self, engine, prompt_ids: torch.Tensor, min_confidence: float = MIN_ROUTE_CONFIDENCE) -> int:
+        """Number of decoder layers to run for this request (an exit point, or ``num_layers``).
+
+        Conservative: a shallower route is taken only when the router gives it probability >= ``min_confidence``;
+        otherwise full depth (the router is trained on few prompts and is not covered by the threshold guarantee).
+        """
+        probs = torch.softmax(self(pooled_first_layer(engine, prompt_ids).unsqueeze(0))[0], -1)
+        r = int(probs.argmax())
+        if r >= len(self.exit_points) or float(probs[r]) < min_confidence:
+            return engine.num_layers
+        return self.exit_points[r]
 
 
 @torch.inference_mode()
@@ -121,10 +129,28 @@ def collect_router_data(engine, heads: dict, token_ids: torch.Tensor, exit_point
 
 def train_router(router: DynamicRouter, data: RouterData, steps: int = 200, lr: float = 1e-2,
                  gamma: float = 2.0, weight_decay: float = 1e-3, seed: int = 0) -> list[float]:
-    """Full-batch AdamW on the focal loss (seed 004); features standardised with the data's statistics."""
+    """Full-batch AdamW on the focal loss (seed 004); features standardised with the data's statistics.
+
+    The bias starts at the log class prior and the weights at zero, so with few prompts the router leans to the
+    common route; when every label is the same the router is that constant (no fit: nothing to learn). The
+    standardisation floor (a tenth of the mean feature std) keeps prompts unlike the training ones from getting
+    huge scores."""
     torch.manual_seed(seed)
+    k = router.linear.out_features
+    counts = torch.bincount(data.labels, minlength=k).float()
+    with torch.no_grad():
+        router.linear.weight.zero_()
+        router.linear.bias.copy_(torch.log((counts + 0.5) / (counts.sum() + 0.5 * k)))
     router.mean.copy_(data.pooled.mean(0))
-    router.std.copy_(data.pooled.std(0).clamp_min(1e-4) if data.pooled.shape[0] > 1 else torch.ones_like(router.std))
+    if data.pooled.shape[0] > 1:
+        std = data.pooled.std(0)
+        router.std.copy_(std.clamp_min(float(std.mean()) * 0.1 + 1e-6))
+    else:
+        router.std.copy_(torch.ones_like(router.std))
+    if int((counts > 0).sum()) <= 1:  # a single route seen: the constant router (logit gap makes it certain)
+        with torch.no_grad():
+            router.linear.bias.copy_(torch.where(counts > 0, 10.0, -10.0))
+        return []
     opt = torch.optim.AdamW(router.parameters(), lr=lr, weight_decay=weight_decay)
     losses = []
     for _ in range(steps):
