@@ -19,15 +19,18 @@ import argparse
 import json
 import re
 
-FAMILIES = [("calibrated (gate, propagate)", "adaptive:laser", "o-", "C0"),
-            ("static pruning (ShortGPT BI)", "static:", "s--", "C1"),
-            ("naive early exit (confidence, untrained head)", "adaptive:policy=confidence", "^:", "C2"),
-            ("full depth", "full", "*", "k")]
+# families by spec; calibrated artifacts are named as run_calibration_pareto.sh names them: smolNN = propagate,
+# smolNNd = deferred thresholds, NN = the agreement target
+FAMILIES = [("calibrated, propagate bridge", r"adaptive:laser=.*smol\d+\.safetensors", "o-", "C0"),
+            ("calibrated, deferred bridge (no FLOP saving)", r"adaptive:laser=.*smol\d+d\.safetensors", "D-", "C4"),
+            ("static pruning (ShortGPT BI)", r"static:", "s--", "C1"),
+            ("naive early exit (confidence, untrained head)", r"adaptive:policy=confidence", "^:", "C2"),
+            ("full depth", r"full$", "*", "k")]
 
 
 def family(config: str):
-    for name, prefix, style, color in FAMILIES:
-        if config.startswith(prefix):
+    for name, pattern, style, color in FAMILIES:
+        if re.match(pattern, config):
             return name, style, color
     return None
 
@@ -35,9 +38,9 @@ def family(config: str):
 def short_label(config: str) -> str:
     if config.startswith("static:"):
         return config.split("layers=")[-1].split(",")[0] + "L"
-    m = re.search(r"laser=[^,]*?(\d{2,3})\.safetensors", config)
+    m = re.search(r"smol(\d{2,3})d?\.safetensors", config)
     if m:
-        return f"target .{m.group(1)}"
+        return f".{m.group(1)}"
     m = re.search(r"threshold=([0-9.]+)", config)
     return f"conf>{m.group(1)}" if m else ""
 
@@ -75,8 +78,8 @@ def main():
     import matplotlib.pyplot as plt
 
     points = load_points(args.eval, args.bench)
-    panels = [("layers", "agree", "mean decoder layers per token", "top-1 agreement with full depth"),
-              ("layers", "ppl", "mean decoder layers per token", "WikiText-2 test perplexity")]
+    panels = [("layers", "agree", "mean exit layer per token (= layers run, except deferred)", "top-1 agreement with full depth"),
+              ("layers", "ppl", "mean exit layer per token (= layers run, except deferred)", "WikiText-2 test perplexity")]
     if args.bench:
         panels.append(("speed", "agree", "tg128 tokens/s relative to full depth", "top-1 agreement with full depth"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.4))
@@ -86,13 +89,15 @@ def main():
                          if family(c) and family(c)[0] == name and p.get(xk) is not None and p.get(yk) is not None)
             if not pts:
                 continue
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=color, label=name, markersize=6)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style if xk != "speed" else style[0], color=color,
+                    label=name, markersize=6)
             for x, y, c in pts:
                 ax.annotate(short_label(c), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
-        if yk == "ppl":
-            ax.set_yscale("log")
+        if yk == "ppl":  # the naive early exit (perplexity 10^4..10^7) is far above this range
+            ax.set_ylim(20, 50)
+            ax.set_title("naive early exit: perplexity > 10^4, off the chart", fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="lower right")
     fig.suptitle("SmolLM2-135M: calibrated adaptive depth vs static pruning vs naive early exit (WikiText-2 test)",

@@ -32,10 +32,15 @@ NAI=(); for c in 0.95 0.9 0.8; do NAI+=(--config "adaptive:policy=confidence,thr
 
 EVAL=(eval -m smollm2-135m -t 2 --tasks wikitext,agreement,lambada,hellaswag,arc_easy,piqa --limit 100
       --ppl-windows 40 --no-progress)
+CT=(); for t in 99 95 80; do CT+=(--config "adaptive:laser=$ART/smol$t.safetensors"); done
 if [[ $step == eval || $step == all ]]; then  # one file per family (full depth is in each)
   $LL "${EVAL[@]}" "${DEF[@]}" "${STA[@]}" --json $OUT/pareto_eval_deferred_static.json
-  $LL "${EVAL[@]}" "${CAL[@]}" --json $OUT/pareto_eval_propagate.json
-  $LL eval -m smollm2-135m -t 2 --tasks wikitext,agreement --ppl-windows 40 --no-progress "${NAI[@]}" \
+  # propagate configurations are decoded token by token (batched across sequences): tasks only for 3 targets
+  $LL eval -m smollm2-135m -t 1 --tasks wikitext,agreement --ppl-windows 40 --no-progress "${CAL[@]}" \
+      --json $OUT/pareto_eval_propagate.json
+  $LL eval -m smollm2-135m -t 1 --tasks lambada,hellaswag,arc_easy,piqa --limit 100 --no-progress "${CT[@]}" \
+      --json $OUT/pareto_eval_propagate_tasks.json
+  $LL eval -m smollm2-135m -t 1 --tasks wikitext,agreement --ppl-windows 40 --no-progress "${NAI[@]}" \
       --json $OUT/pareto_eval_naive.json
 fi
 
