@@ -55,7 +55,7 @@ def load_points(eval_paths, bench_path):
             p = points.setdefault(cfg, {})
             p["layers"] = m["mean_layers"]
             p["ppl"] = m["perplexity"]
-            p["agree"] = ag.get(cfg, {}).get("top1_agreement", m.get("top1_agreement"))
+            p["agree"] = m.get("top1_agreement", ag.get(cfg, {}).get("top1_agreement"))  # all 20k scored positions
     if bench_path:
         rows = json.load(open(bench_path))
         rows = rows["rows"] if isinstance(rows, dict) else rows

@@ -32,14 +32,15 @@ NAI=(); for c in 0.95 0.9 0.8; do NAI+=(--config "adaptive:policy=confidence,thr
 
 EVAL=(eval -m smollm2-135m -t 2 --tasks wikitext,agreement,lambada,hellaswag,arc_easy,piqa --limit 100
       --ppl-windows 40 --no-progress)
-CT=(); for t in 99 95 80; do CT+=(--config "adaptive:laser=$ART/smol$t.safetensors"); done
 if [[ $step == eval || $step == all ]]; then  # one file per family (full depth is in each)
   $LL "${EVAL[@]}" "${DEF[@]}" "${STA[@]}" --json $OUT/pareto_eval_deferred_static.json
-  # propagate configurations are decoded token by token (batched across sequences): tasks only for 3 targets
+  # (this first run was stopped during hellaswag in the 2026-11-30 session; its tables were parsed from stdout)
+  # propagate configurations are decoded token by token (batched across sequences), so tasks run on a subset
   $LL eval -m smollm2-135m -t 1 --tasks wikitext,agreement --ppl-windows 40 --no-progress "${CAL[@]}" \
       --json $OUT/pareto_eval_propagate.json
-  $LL eval -m smollm2-135m -t 1 --tasks lambada,hellaswag,arc_easy,piqa --limit 100 --no-progress "${CT[@]}" \
-      --json $OUT/pareto_eval_propagate_tasks.json
+  $LL eval -m smollm2-135m -t 1 --tasks arc_easy,piqa,hellaswag --limit 50 --no-progress \
+      --config "adaptive:laser=$ART/smol99.safetensors" --config "adaptive:laser=$ART/smol95.safetensors" \
+      --config "adaptive:laser=$ART/smol95d.safetensors" --config static:layers=28 --json $OUT/pareto_eval_tasks.json
   $LL eval -m smollm2-135m -t 1 --tasks wikitext,agreement --ppl-windows 40 --no-progress "${NAI[@]}" \
       --json $OUT/pareto_eval_naive.json
 fi
