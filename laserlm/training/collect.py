@@ -12,6 +12,8 @@ refused so that reported numbers stay unseen.
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def load_text_tokens(tokenizer, path: str | Path | None = None, max_tokens: int 
     path = Path(path) if path is not None else default_data_path()
     if not path.is_file():
         raise ModelNotFoundError(f"calibration text not found: {path}")
-    if "test" in path.name.lower() and not allow_test:
+    if re.search(r"(^|[^a-z])test([^a-z]|$)", path.name.lower()) and not allow_test:  # test.txt, wiki.test.raw; not latest.txt
         raise InvalidArgumentError(f"{path.name} looks like a test split; calibrate on valid/dev text only "
                                    "(test splits are kept for reporting)")
     text = path.read_text(encoding="utf-8", errors="replace")

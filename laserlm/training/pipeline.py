@@ -137,8 +137,11 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     key_file = work / "config.json"
     if resume and key_file.is_file():
         old = json.loads(key_file.read_text())
-        if old != json.loads(json.dumps(key)):
-            raise InvalidArgumentError(f"--resume: {work} was made with different settings; remove it or drop --resume")
+        new = json.loads(json.dumps(key))
+        if old != new:
+            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+            raise InvalidArgumentError(f"--resume: {work} was made with different settings ({', '.join(changed)}); "
+                                       "remove it or drop --resume")
     elif not resume:
         for name in ("states", "heads", "gates", "joint", "router", "outputs", "propagate_calib", "propagate_held"):
             (work / f"{name}.pt").unlink(missing_ok=True)
