@@ -29,7 +29,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .bridge import PropagateBridge
-from .policies import BatchPoint
+from .policies import BatchPoint, transition_score
 
 
 @dataclass
@@ -68,14 +68,6 @@ def _batch_engine(engine, batch_size: int, seq_len: int):
     eb = memo[key]
     eb.kernel = engine.kernel
     return eb
-
-
-def _ats(prev: torch.Tensor | None, cur: torch.Tensor) -> torch.Tensor | None:
-    """Per-row attention transition score: ``prev [B, H, S-1]``, ``cur [B, H, S]`` -> ``[B]`` (head-mean cosine)."""
-    if prev is None:
-        return None
-    prev = torch.nn.functional.pad(prev, (0, cur.shape[-1] - prev.shape[-1]))
-    return torch.nn.functional.cosine_similarity(prev, cur, dim=-1).mean(-1)
 
 
 @torch.inference_mode()
@@ -131,7 +123,8 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
                 h = eb.run_layers(a, b, h, st)
             if ats_layer is not None and a <= ats_layer < b:
                 cur = st.ctx.probs[ats_layer][:, :, -1, :].float()  # [B, H, S]
-                ats, prev_probs = _ats(prev_probs, cur), cur
+                ats = transition_score(prev_probs, cur) if prev_probs is not None else None  # [B]
+                prev_probs = cur
             if t == 0 or b == L or not mode.groups.can_exit(g):
                 continue
             rows = torch.nonzero(live & ~frozen).flatten()
@@ -143,13 +136,11 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
             if go.any():
                 out = rows[go]
                 frozen[out] = True
+                h_exit[out] = h[out]  # later layers run on this state (what the propagate bridge projects)
                 layers[out, t] = float(b)
                 lg = points.logits[go] if points._logits is not None else mode._head(eb, b)(h[out, 0]).float()
                 for r, row_logits in zip(out.tolist(), lg):
                     exit_logits[r] = row_logits
-            if frozen.any():
-                h_exit = torch.where(frozen.view(-1, 1, 1), h, h_exit)
-                h = torch.where(frozen.view(-1, 1, 1), h_exit, h)
         eb.commit(st)
         logits = eb.head(h)[:, 0].float()  # [B, V]; rows that exited get their exit head's logits
         for r, lg in exit_logits.items():

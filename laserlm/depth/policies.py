@@ -215,6 +215,13 @@ class Saturation(ExitPolicy):
         return f"saturation>{self.threshold:g}"
 
 
+def transition_score(prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
+    """Attention transition score (seed): head-mean cosine of a token's attention distribution ``cur [..., H, S]``
+    with the previous token's ``prev [..., H, S']`` (``S' <= S``, zero-padded to ``S``) -> ``[...]``."""
+    prev = torch.nn.functional.pad(prev, (0, cur.shape[-1] - prev.shape[-1]))
+    return torch.nn.functional.cosine_similarity(prev, cur, dim=-1).mean(-1)
+
+
 class AttentionTransition(ExitPolicy):
     """Allow exit when the attention transition score ``>= threshold`` (seed: ATS < 0.7 -> go deeper).
 

@@ -38,7 +38,7 @@ from ..runtime.modes import ScoreOutput
 from ..runtime.sampling import make_generator, sample
 from .bridge import Bridge, DeferredBridge, begin_at, make_bridge
 from .groups import LayerGroups
-from .policies import ExitPoint, ExitPolicy
+from .policies import ExitPoint, ExitPolicy, transition_score
 from .stats import EventStream
 
 ROUTER_PROMPT = 64  # tokens the router sees when scoring a sequence teacher-forced (calibration's prompt length)
@@ -133,10 +133,7 @@ class AdaptiveDepth:
     def _ats(self, state) -> float | None:
         cur = state.ctx.probs[self.ats_layer][0, :, -1, :]  # [H, S]
         prev, self._prev_probs = self._prev_probs, cur
-        if prev is None:
-            return None
-        prev = torch.nn.functional.pad(prev, (0, cur.shape[-1] - prev.shape[-1]))
-        return float(torch.nn.functional.cosine_similarity(prev, cur, dim=-1).mean())
+        return None if prev is None else float(transition_score(prev, cur))
 
     def reset(self, engine) -> None:
         """Start a new sequence: empty the cache, the bridge and the patience streak."""
@@ -164,14 +161,13 @@ class AdaptiveDepth:
         """Ask the policy at the end of group ``g`` (``h``/``h_in`` ``[d]``); returns ``(exit?, point, checks_on)``.
         Applies min depth and the patience lock (shared by :meth:`step` and the replayed score)."""
         b = self.groups.bounds[g][1]
+        point = ExitPoint(g, b, engine.num_layers, h, h_in, head=head if head is not None else self._head(engine, b), ats=ats)
         if self.route_layer <= b < engine.num_layers:  # the router's depth for this request is a hard cap
-            return True, ExitPoint(g, b, engine.num_layers, h, h_in, head=head if head is not None else
-                                   self._head(engine, b), ats=ats), checks_on
+            return True, point, checks_on
         if b == engine.num_layers or not checks_on or not self.groups.can_exit(g):
             return False, None, checks_on
         if locked is not None and g < locked:
             return False, None, checks_on
-        point = ExitPoint(g, b, engine.num_layers, h, h_in, head=head if head is not None else self._head(engine, b), ats=ats)
         if self.policy(point):
             return True, point, checks_on
         if locked is not None and g == locked:  # the patience lock fails: full depth, checks resume later
@@ -313,9 +309,7 @@ class AdaptiveDepth:
             checks_on = True
             ats = None
             if probs is not None:
-                prev, cur = probs[0, :, i - 1, :i], probs[0, :, i, :i + 1]
-                prev = torch.nn.functional.pad(prev, (0, 1))
-                ats = float(torch.nn.functional.cosine_similarity(prev, cur, dim=-1).mean())
+                ats = float(transition_score(probs[0, :, i - 1, :i], probs[0, :, i, :i + 1]))
             exit_group = None
             head_evals = 0
             for g, (a, b) in enumerate(bounds):

@@ -152,19 +152,13 @@ class Evaluator:
     def _score_windows(self, name, ids, prefix, wins, desc):
         sc = self.scorers[name]
         nll, n, layers, argmax = 0.0, 0, 0.0, []
-        groups = [list(range(i, min(i + sc.batch_rows, len(wins)))) for i in range(0, len(wins), sc.batch_rows)]
-        bar = self._bar(None, desc, total=len(wins))
-        for group in groups:
-            seqs = [prefix + ids[wins[w][0]:wins[w][1]] for w in group]
-            starts = [len(prefix) + wins[w][2] - wins[w][0] for w in group]
-            for w, r in zip(group, sc.score(seqs, starts)):
-                nll -= float(r.token_logprobs.sum())
-                n += r.token_logprobs.numel()
-                layers += float(r.layers.sum())
-                argmax.append(r.argmax)
-                self._argmax_cache[(name, w)] = r.argmax
-            bar.update(len(group))
-        bar.close()
+        entries = [(w, [prefix + ids[b:e]], [len(prefix) + f - b]) for w, (b, e, f) in enumerate(wins)]
+        for w, (r,) in self._bar(self._grouped_scores(sc, entries), desc, total=len(wins)):
+            nll -= float(r.token_logprobs.sum())
+            n += r.token_logprobs.numel()
+            layers += float(r.layers.sum())
+            argmax.append(r.argmax)
+            self._argmax_cache[(name, w)] = r.argmax
         return nll, n, layers, argmax
 
     def _run_wikitext(self) -> dict:

@@ -157,16 +157,17 @@ def check_output_paths(out, work_dir=None) -> None:
     """Fail before any work when the artifact, its report or the work directory cannot be written.
 
     Raises:
-        InvalidArgumentError: missing parent directory, an output that is a directory or ends in ``.json`` (the
+        InvalidArgumentError: missing or unwritable parent directory, an output that is a directory or ends in ``.json`` (the
             report's name), or a work directory that is an existing file.
     """
     from pathlib import Path  # noqa: PLC0415
 
+    from ..cli import check_output_path  # noqa: PLC0415
+
     out = Path(out)
     if not out.parent.is_dir():
         raise InvalidArgumentError(f"output directory does not exist: {out.parent}")
-    if out.is_dir():
-        raise InvalidArgumentError(f"--output {out} is a directory; give a file name such as {out / 'model.laser.safetensors'}")
+    check_output_path(str(out), "--output")  # a directory given as the file, an unwritable directory
     if out.suffix == ".json":
         raise InvalidArgumentError(f"--output {out}: .json is the report's name; use .safetensors for the artifact")
     work = Path(work_dir) if work_dir is not None else out.with_name(out.name + ".work")
