@@ -53,6 +53,20 @@ class LaserLM:
     def model(self):
         return self.loaded.model
 
+    @property
+    def weights(self) -> str:
+        """The weight format in use (``fp32``, ``bf16``, ``int8``, ``int4`` or ``native``)."""
+        return self.engine.weights
+
+    def describe(self) -> str:
+        """One line: weight format (with the block formats of packed weights) and activation dtype."""
+        dtype = str(self.engine.dtype).replace("torch.", "")
+        rep = self.loaded.pack_report
+        if rep is None:
+            return f"weights {self.weights}, activations {dtype}"
+        fmts = ", ".join(f"{k} x{v}" for k, v in sorted(rep.formats.items()))
+        return f"weights {self.weights} ({fmts}; {rep.nbytes / 2**20:.1f} MiB), activations {dtype}"
+
     def mode(self, spec="full"):
         """Build a decoding mode from a spec string such as ``"full"`` (see :mod:`laserlm.runtime.modes`)."""
         return make_mode(spec, self.engine)
@@ -87,9 +101,14 @@ class LaserLM:
         return self.stream(prompt, chat=chat, mode=mode, **sampling).run()
 
 
-def load(name: str = "smollm2-135m", dtype: str = "float32", max_seq_len: int | None = None,
-         attention=None, **attention_options) -> LaserLM:
+def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,
+         attention=None, weights: str = "auto", **attention_options) -> LaserLM:
     """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id.
+
+    ``weights``: ``"auto"`` (default: ``native`` for a GGUF file when ``dtype`` is not given, else dense
+    float weights in ``dtype``), ``"fp32"`` (the exact reference, logits equal to transformers'),
+    ``"bf16"``, ``"int8"``, ``"int4"`` or ``"native"`` (see :mod:`laserlm.models.quant`). ``dtype``:
+    ``"float32"`` (default) or ``"bfloat16"`` activations.
 
     ``attention``: ``None``/``"dense"`` or ``"sparse[:key=value,...]"``; ``attention_options`` (e.g.
     ``threshold=0.5, block_size=64, dense_layers=2``) configure block-sparse attention
@@ -98,5 +117,5 @@ def load(name: str = "smollm2-135m", dtype: str = "float32", max_seq_len: int | 
     Raises:
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError, InvalidArgumentError.
     """
-    return LaserLM(load_model(name, dtype=dtype), max_seq_len=max_seq_len, attention=attention,
+    return LaserLM(load_model(name, dtype=dtype, weights=weights), max_seq_len=max_seq_len, attention=attention,
                    **attention_options)

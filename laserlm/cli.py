@@ -26,8 +26,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2-135m",
                    help="bundled name (see `laserlm models`), .gguf file, model directory or cached hub id "
                         "(default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights and activations dtype (default: %(default)s)")
+    p.add_argument("--weights", "-w", choices=["auto", "fp32", "bf16", "int8", "int4", "native"], default="auto",
+                   help="weight format: native = a GGUF file's own quantization (4-bit types as int4 blocks, 5/6/8-bit "
+                        "as int8 blocks), int8/int4 = round-to-nearest blocks of 32 for any float model, fp32 = the "
+                        "exact reference path, bf16; auto = native for a GGUF file unless --dtype is given, else "
+                        "fp32 (default: %(default)s)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="activations dtype, and the weights' for fp32/bf16 (default: float32)")
     p.add_argument("--ctx-size", "-c", type=int, default=None,
                    help="context size of the KV cache in tokens (default: min(4096, model limit))")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
@@ -115,7 +120,8 @@ def load_from_args(args):
     from .api import load  # noqa: PLC0415
 
     apply_threads(args)
-    return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, **attention_kwargs(args))
+    return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, weights=getattr(args, "weights", "auto"),
+                **attention_kwargs(args))
 
 
 def attention_kwargs(args) -> dict:
@@ -248,7 +254,8 @@ def cmd_generate(args) -> int:
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:
         result = gen.run()
-        out = {"model": args.model, "dtype": args.dtype, "mode": args.mode, "text": result.text,
+        out = {"model": args.model, "weights": lm.weights, "dtype": str(lm.engine.dtype).replace("torch.", ""),
+               "mode": args.mode, "text": result.text,
                **result.stats()}
         print(json.dumps(out))
         return 0

@@ -136,7 +136,7 @@ def cmd_bench(args) -> int:
     rows = [summarize(name, s, args.n_prompt, args.n_gen) for name, s in samples.items()]
     from ..evaluation.report import machine, now, write_json  # noqa: PLC0415  (formatting helpers only)
 
-    header = (f"model {args.model}, dtype {args.dtype}, {torch.get_num_threads()} threads, reps {args.reps} after "
+    header = (f"model {args.model}, {lm.describe()}, {torch.get_num_threads()} threads, reps {args.reps} after "
               f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "
               f"generation run: {gen_ids.shape[0]}-token {'chat ' if chat else ''}prompt + {args.n_gen} greedy tokens; "
               f"{machine()}; {now()}")
@@ -146,11 +146,12 @@ def cmd_bench(args) -> int:
     for n in notes:
         print(n, file=out)
     if args.plot:
-        plot(rows, args.plot, f"{args.model} {args.dtype}, {torch.get_num_threads()} threads", args.n_prompt,
+        plot(rows, args.plot, f"{args.model} {lm.weights} weights, {torch.get_num_threads()} threads", args.n_prompt,
              args.n_gen, args.quality_doc)
         print(f"plot written to {args.plot}", file=out)
     if args.json:
-        doc = {"command": "bench", "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        doc = {"command": "bench", "model": args.model, "weights": lm.weights,
+               "dtype": str(lm.engine.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "n_prompt": args.n_prompt, "n_gen": args.n_gen, "reps": args.reps, "warmup": args.warmup,
                "tests": tests, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,
                "rows": rows, "raw": {n: vars(s) for n, s in samples.items()}}

@@ -93,10 +93,11 @@ def cmd_eval(args) -> int:
         print(markdown({t: results[t]}), file=table_out, flush=True)
     import torch  # noqa: PLC0415
 
-    print(f"model {args.model} ({args.dtype}), {torch.get_num_threads()} threads, {machine()}, {now()}",
+    print(f"model {args.model} ({lm.describe()}), {torch.get_num_threads()} threads, {machine()}, {now()}",
           file=table_out)
     if args.json:
-        doc = {"command": "eval", "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        doc = {"command": "eval", "model": args.model, "weights": lm.weights,
+               "dtype": str(lm.engine.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "machine": machine(), "date": now(), "reference": "full", "configs": ev.names,
                "argv": sys.argv[1:],
                "settings": {k: v for k, v in vars(settings).items() if k != "progress"},

@@ -55,6 +55,9 @@ class LoadedModel:
         path: the directory the weights were read from (the converted copy for GGUF files).
         dtype: parameter dtype.
         identity: a JSON-able description used to check that artifacts belong to this model.
+        weights: the weight format in use (``fp32``, ``bf16``, ``int8``, ``int4``, ``native``).
+        pack_report: a :class:`~laserlm.models.packing.PackReport` for packed formats, else ``None``.
+        load_seconds: wall-clock seconds of :func:`load_model`.
     """
 
     model: torch.nn.Module
@@ -63,6 +66,9 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     identity: dict = field(default_factory=dict)
+    weights: str = "fp32"
+    pack_report: object = None
+    load_seconds: float = 0.0
 
     @property
     def config(self):
@@ -253,24 +259,85 @@ def chat_template_available(name: str) -> bool | None:
     return bool(config.get("chat_template")) if isinstance(config, dict) else None
 
 
-def load_model(name: str, dtype: str | torch.dtype = "float32", progress: bool = True) -> LoadedModel:
+def gguf_source_of(where) -> Path | None:
+    """The GGUF file a converted copy was made from (``None`` for other model directories)."""
+    if not isinstance(where, Path):
+        return None
+    marker = where / "laserlm_source.json"
+    if not marker.is_file():
+        return None
+    try:
+        src = Path(json.loads(marker.read_text())["gguf"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return src if src.is_file() else None
+
+
+def resolve_weights(weights: str | None, dtype, from_gguf: bool) -> tuple[str, torch.dtype]:
+    """Pick the weight format and activation dtype from the user's ``--weights`` / ``--dtype``.
+
+    ``weights="auto"`` (default): ``native`` for a GGUF source when no dtype is given (a GGUF file runs on
+    its own quantization without flags), else dense weights in the given dtype (``float32`` by default).
+    ``fp32`` / ``bf16`` are dense float weights (``fp32`` is the exact reference path). ``int8`` / ``int4``
+    / ``native`` are packed block formats (:mod:`laserlm.models.packing`) with float32 activations unless
+    ``dtype`` says otherwise.
+
+    Raises:
+        InvalidArgumentError: an unknown value, a dtype that contradicts ``fp32``/``bf16``, or ``native``
+            for a model that is not a GGUF file.
+    """
+    from .quant import WEIGHT_FORMATS  # noqa: PLC0415
+
+    weights = "auto" if weights is None else weights
+    if weights not in WEIGHT_FORMATS:
+        raise InvalidArgumentError(f"unknown weight format '{weights}'; choose one of {', '.join(WEIGHT_FORMATS)}")
+    torch_dtype = parse_dtype(dtype) if dtype is not None else None
+    if weights == "auto":
+        if torch_dtype is None and from_gguf:
+            return "native", torch.float32
+        torch_dtype = torch_dtype or torch.float32
+        return ("bf16" if torch_dtype == torch.bfloat16 else "fp32"), torch_dtype
+    if weights in ("fp32", "bf16"):
+        want = torch.float32 if weights == "fp32" else torch.bfloat16
+        if torch_dtype is not None and torch_dtype != want:
+            raise InvalidArgumentError(f"--weights {weights} stores {str(want).replace('torch.', '')} weights, "
+                                       f"which contradicts --dtype {str(torch_dtype).replace('torch.', '')}")
+        return weights, want
+    if weights == "native" and not from_gguf:
+        raise InvalidArgumentError("--weights native keeps a GGUF file's own quantization, but this model is not a "
+                                   "GGUF file; use --weights int4, int8, bf16 or fp32")
+    return weights, torch_dtype or torch.float32
+
+
+def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool = True,
+               weights: str | None = "auto") -> LoadedModel:
     """Load a supported causal LM and its tokenizer for laserlm.
 
     Args:
         name: a bundled name (``laserlm models``), a ``.gguf`` file, a local directory with
             ``config.json`` + weights, or a Hugging Face hub id available in the local HF cache.
-        dtype: ``"float32"`` (default; exact parity with transformers) or ``"bfloat16"``.
+        dtype: activations (and float weights) dtype, ``"float32"`` or ``"bfloat16"``; ``None`` picks
+            float32 (see :func:`resolve_weights`).
+        weights: ``"auto"`` (default), ``"fp32"`` (exact parity with transformers), ``"bf16"``, ``"int8"``,
+            ``"int4"`` or ``"native"`` (a GGUF file's own quantization); see :mod:`laserlm.models.quant`.
 
     Raises:
         ModelNotFoundError: unknown name, missing file, hub id not available offline.
         CorruptModelError: unreadable config, weights or GGUF file.
-        UnsupportedArchitectureError: the architecture is not one of :data:`SUPPORTED_MODEL_TYPES`.
-        InvalidArgumentError: unknown dtype.
+        UnsupportedArchitectureError: the architecture is not one of :data:`SUPPORTED_MODEL_TYPES`, or a
+            GGUF tensor type without a kernel under ``native``.
+        InvalidArgumentError: unknown dtype or weight format, or contradicting ones.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
-    torch_dtype = parse_dtype(dtype)
+    t_start = time.perf_counter()
+    if weights is not None and weights not in ("auto", "fp32", "bf16", "int8", "int4", "native"):
+        resolve_weights(weights, dtype, False)  # raises the unknown-format error before any loading
+    if dtype is not None:
+        parse_dtype(dtype)
     where = resolve(name, progress=progress)
+    gguf_src = gguf_source_of(where)
+    weights, torch_dtype = resolve_weights(weights, dtype, gguf_src is not None)
     _quiet_transformers()
     if isinstance(where, Path):
         model_type = _check_architecture(where, name)
@@ -279,7 +346,8 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", progress: bool =
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, attn_implementation="sdpa")
+            load_dtype = torch.float32 if weights in ("int8", "int4", "native") else torch_dtype
+            model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype, attn_implementation="sdpa")
             tokenizer = AutoTokenizer.from_pretrained(where)
     except OSError as exc:
         if isinstance(where, str):
@@ -298,6 +366,15 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", progress: bool =
         )
     model.eval()
     model.requires_grad_(False)
+    report = None
+    if weights in ("int8", "int4", "native"):
+        from .packing import pack_model  # noqa: PLC0415
+
+        report = pack_model(model, weights, gguf_path=gguf_src)
+        if torch_dtype != torch.float32:
+            model.to(torch_dtype)
+            if hasattr(model.model.embed_tokens, "blocks"):
+                model.model.embed_tokens.dtype = torch_dtype
     cfg = model.config
     identity = {
         "name": name,
@@ -307,4 +384,5 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", progress: bool =
         "vocab_size": cfg.vocab_size,
     }
     return LoadedModel(model, tokenizer, name, Path(where) if isinstance(where, Path) else Path(str(where)),
-                       torch_dtype, identity)
+                       torch_dtype, identity, weights=weights, pack_report=report,
+                       load_seconds=time.perf_counter() - t_start)

@@ -20,7 +20,7 @@ from ..errors import ContextLengthError, InvalidArgumentError
 from ..models.adapters import ModelAdapter, get_adapter
 from ..models.loader import LoadedModel, load_model
 from . import attention as attn
-from . import fast_layers
+from . import fast_layers, packed_layers
 from .kv_cache import KVCache
 
 DEFAULT_MAX_SEQ_LEN = 4096
@@ -108,6 +108,12 @@ class Engine:
         # set engine.fast_layers = False to always call the transformers layers
         self.fast_layers = True
         self._fast_ok = {id(layer) for layer in a.layers if fast_layers.supports_fast_path(layer)}
+        # layers whose matrices were packed (--weights int4/int8/native) run through packed_layers
+        # packed layers run as one compiled call per layer for a few tokens when no attention hook is needed;
+        # False: always the PyTorch ops of packed_layers (same matrices, for tests and debugging)
+        self.native_layers = True
+        self._packed = {i for i, layer in enumerate(a.layers) if getattr(layer, "laserlm_packed", None) is not None}
+        self.weights = getattr(self.loaded, "weights", None) or ("bf16" if self.dtype == torch.bfloat16 else "fp32")
 
     @classmethod
     def from_pretrained(cls, name: str, dtype: str = "float32", max_seq_len: int | None = None,
@@ -191,9 +197,13 @@ class Engine:
         with attn.attention_context(state.ctx):
             for i in range(start, stop):
                 layer = layers[i]
-                if fast is not None and id(layer) in fast and not (layer._forward_hooks or layer._forward_pre_hooks):
+                if fast is not None and not (layer._forward_hooks or layer._forward_pre_hooks) and (
+                        id(layer) in fast or i in self._packed):
                     cos, sin = state.rope[types[i]]
-                    hidden = fast_layers.fast_layer(layer, hidden, cos, sin, cache)
+                    if i in self._packed:
+                        hidden = packed_layers.packed_layer(layer, hidden, cos, sin, cache, self.native_layers)
+                    else:
+                        hidden = fast_layers.fast_layer(layer, hidden, cos, sin, cache)
                 else:
                     hidden = layer(hidden, attention_mask=None, position_ids=state.position_ids, cache=cache,
                                    position_embeddings=state.rope[types[i]])

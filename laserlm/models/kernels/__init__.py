@@ -1,0 +1,107 @@
+"""Build and load laserlm's block-quantized CPU kernels (``quant.cpp``) once per machine.
+
+The C++ source is compiled with ``torch.utils.cpp_extension`` for the host CPU (``-march=native``) the
+first time a quantized model is used, and cached under ``<laserlm cache>/kernels/<key>`` where the key
+hashes the source, the torch version and the CPU flags, so a moved cache never runs code built for
+another processor. Compilation needs a C++ compiler and ninja (about a minute on 2 cores); when it is
+not possible, :func:`ops` returns ``None`` and callers use the pure-PyTorch reference path
+(:mod:`laserlm.models.quant`), which is exact but slow, after one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("quant.cpp")
+_lock = threading.Lock()
+_ops = None
+_tried = False
+_error: str | None = None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform  # noqa: PLC0415
+
+    return platform.processor() or platform.machine()
+
+
+def build_key() -> str:
+    """Hash of the kernel source, torch version and CPU flags (names the build directory)."""
+    raw = _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + sys.version.encode()
+    return hashlib.sha1(raw).hexdigest()[:16]
+
+
+def _build():
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    from ..loader import cache_root  # noqa: PLC0415
+
+    build_dir = cache_root() / "kernels" / build_key()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # ninja may come from the virtualenv's bin folder, which is not on PATH when the venv is not activated
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    # -fopenmp makes at::parallel_for use torch's own OpenMP runtime (libgomp.so.1 is already loaded by torch,
+    # so the loader reuses it: one thread pool, no oversubscription)
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+    return cpp_extension.load_inline(
+        name="laserlm_quant",
+        cpp_sources=[_SOURCE.read_text()],
+        functions=["qmatmul", "dequantize", "decode_layer", "has_avx2"],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        verbose=False,
+    )
+
+
+def ops():
+    """The compiled kernel module (``qmatmul``, ``dequantize``, ``has_avx2``), or ``None`` if it cannot be built.
+
+    Set ``LASERLM_NO_KERNELS=1`` to force the PyTorch reference path.
+    """
+    global _ops, _tried, _error
+    if _tried:
+        return _ops
+    with _lock:
+        if _tried:
+            return _ops
+        if os.environ.get("LASERLM_NO_KERNELS"):
+            _error = "LASERLM_NO_KERNELS is set"
+        else:
+            try:
+                print("laserlm: building the quantized CPU kernels for this machine (once) ...", file=sys.stderr) \
+                    if not (cache_dir_built()) else None
+                _ops = _build()
+            except Exception as exc:  # compiler missing, ninja missing, build error
+                _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
+                warnings.warn(f"laserlm: cannot build the quantized CPU kernels ({_error}); quantized weights run "
+                              "on the slow PyTorch reference path", RuntimeWarning, stacklevel=2)
+        _tried = True
+    return _ops
+
+
+def cache_dir_built() -> bool:
+    from ..loader import cache_root  # noqa: PLC0415
+
+    d = cache_root() / "kernels" / build_key()
+    return any(d.glob("laserlm_quant*.so")) if d.is_dir() else False
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`ops` returned ``None`` (after it was called), else ``None``."""
+    return _error

@@ -1,0 +1,270 @@
+"""Pack a loaded model's matrices into a weight format (``--weights``), fusing projections.
+
+After :func:`pack_model` every decoder layer carries a :class:`PackedLayer` (``layer.laserlm_packed``)
+with three or four matrices instead of seven: ``qkv`` (q, k and v projections stacked along the output
+rows), ``o``, ``gate_up`` (gate and up stacked) and ``down``. Stacking rows is exact for block formats
+(every row is quantized on its own), so one kernel call reads all three projections. The transformers
+modules keep working: ``q_proj`` and friends become :class:`~laserlm.models.quant.RowSlice` views of the
+fused matrix (used only when the engine falls back to calling the transformers layer).
+
+Sources of the packed weights:
+
+- ``native``: the GGUF file's own tensors (see :func:`laserlm.models.quant.from_gguf`), with the q/k row
+  permutation that transformers applies to Llama-architecture GGUF files (llama.cpp stores those rows
+  interleaved for its rotary layout); the float copy is not read for these matrices.
+- ``int4`` / ``int8``: the loaded float matrices, quantized round-to-nearest to Q4_1 / Q8_0. The token
+  embedding is always Q8_0 (only the rows of the tokens are read, so its size costs memory, not time); the
+  LM head follows the format (Q4_1 for ``int4``), so a tied model holds two copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import InvalidArgumentError, UnsupportedArchitectureError
+from . import quant
+from .quant import DenseLinear, QuantEmbedding, QuantLinear, RowSlice
+
+ATTN = ("q_proj", "k_proj", "v_proj")
+MLP = ("gate_proj", "up_proj")
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+@dataclass
+class PackedLayer:
+    """The fused matrices of one decoder layer.
+
+    Attributes:
+        qkv: ``[.., d] -> [.., (H + 2 H_kv) * head_dim]``.
+        o: ``[.., H * head_dim] -> [.., d]``.
+        gate_up: ``[.., d] -> [.., 2 * intermediate]``.
+        down: ``[.., intermediate] -> [.., d]``.
+        q_size, kv_size, intermediate: output split sizes.
+    """
+
+    qkv: nn.Module
+    o: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    q_size: int
+    kv_size: int
+    intermediate: int
+
+
+@dataclass
+class PackReport:
+    """What :func:`pack_model` did: ``formats`` counts matrices per storage format; ``notes`` lists how
+    GGUF types were taken (exact / re-quantized); ``nbytes`` is the bytes of all packed matrices,
+    embedding and head included."""
+
+    weights: str
+    formats: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
+    nbytes: int = 0
+
+    def add(self, module: nn.Module, note: str | None = None, name: str | None = None) -> None:
+        key = quant.FORMAT_NAMES.get(getattr(module, "fmt", None), "float32")
+        self.formats[key] = self.formats.get(key, 0) + 1
+        self.nbytes += module.nbytes
+        if note is not None:
+            self.notes[note] = self.notes.get(note, 0) + 1
+
+
+class _Concat(nn.Module):
+    """Matrices of different formats used as one fused projection (outputs concatenated)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.fmt = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([p.weight for p in self.parts])
+
+    def forward(self, x):
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def _bias(linears) -> torch.Tensor | None:
+    if all(getattr(m, "bias", None) is None for m in linears):
+        return None
+    return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
+                      for m in linears])
+
+
+def _fuse(parts: list[tuple[str, torch.Tensor, int | None]], k: int, bias: torch.Tensor | None) -> nn.Module:
+    """One module from converted parts ``(kind, data, fmt)`` stacked along output rows."""
+    kinds = {(kind, fmt) for kind, _, fmt in parts}
+    if len(kinds) == 1:
+        kind, _, fmt = parts[0]
+        data = torch.cat([d for _, d, _ in parts]) if len(parts) > 1 else parts[0][1]
+        return QuantLinear(data, fmt, k, bias) if kind == "blocks" else DenseLinear(data, bias)
+    mods, row = [], 0
+    for kind, data, fmt in parts:
+        b = None if bias is None else bias[row:row + data.shape[0]]
+        mods.append(QuantLinear(data, fmt, k, b) if kind == "blocks" else DenseLinear(data, b))
+        row += data.shape[0]
+    return _Concat(mods)
+
+
+def _from_float(w: torch.Tensor, fmt: int) -> tuple[str, torch.Tensor, int | None]:
+    if w.shape[1] % quant.QK:
+        return "float", w.detach().float(), None  # documented fallback: no block format fits
+    return "blocks", quant.quantize_matrix(w, fmt), fmt
+
+
+def _reverse_permute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (transformers' LlamaTensorProcessor)."""
+    dim = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(n_rows)
+
+
+class _GGUFSource:
+    """Tensors of a GGUF file by name, converted for ``native`` (memory-mapped by ``gguf.GGUFReader``)."""
+
+    def __init__(self, path, config):
+        from gguf import GGUFReader  # noqa: PLC0415
+
+        self.reader = GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch_field = self.reader.fields.get("general.architecture")
+        self.arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else ""
+        self.config = config
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> tuple[str, torch.Tensor, int | None, str]:
+        t = self.tensors[name]
+        k, n = int(t.shape[0]), int(t.shape[1])
+        kind, data, fmt, how = quant.from_gguf(np.asarray(t.data), int(t.tensor_type), n, k)
+        if self.arch in ("llama",) and (".attn_q." in name or ".attn_k." in name):
+            cfg = self.config
+            heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
+            data = data[torch.from_numpy(_reverse_permute_rows(n, heads))].contiguous()
+        return kind, data, fmt, f"{t.tensor_type.name}: {how}"
+
+
+def pack_model(model: nn.Module, weights: str, gguf_path=None, progress=None) -> PackReport:
+    """Replace the decoder layers' projections, the LM head and the embedding of ``model`` in place.
+
+    Args:
+        model: a transformers causal LM of a supported family (float weights loaded).
+        weights: ``"native"`` (needs ``gguf_path``), ``"int4"`` or ``"int8"``.
+        gguf_path: the GGUF file the model was converted from.
+        progress: optional ``tqdm``-like callable wrapping the layer iterator.
+
+    Returns:
+        a :class:`PackReport`.
+
+    Raises:
+        InvalidArgumentError: ``native`` without a GGUF source, or an unknown format.
+        UnsupportedArchitectureError: a GGUF tensor type with no kernel, or a missing tensor.
+    """
+    if weights not in quant.QUANTIZED_FORMATS:
+        raise InvalidArgumentError(f"cannot pack weights as {weights!r}; choose one of {', '.join(quant.QUANTIZED_FORMATS)}")
+    if weights == "native" and gguf_path is None:
+        raise InvalidArgumentError("--weights native keeps a GGUF file's own quantization, but this model was not "
+                                   "loaded from a GGUF file; use --weights int4, int8, bf16 or fp32")
+    cfg = model.config
+    src = _GGUFSource(gguf_path, cfg) if weights == "native" else None
+    fmt = quant.Q4_1 if weights == "int4" else quant.Q8_0
+    report = PackReport(weights)
+    layers = list(model.model.layers[: cfg.num_hidden_layers])
+    it = progress(layers) if progress is not None else layers
+
+    def convert(i: int, mod_name: str, linear: nn.Module) -> tuple[str, torch.Tensor, int | None, str | None]:
+        if src is None:
+            return (*_from_float(linear.weight, fmt), None)
+        name = f"blk.{i}.{GGUF_NAMES[mod_name]}.weight"
+        if not src.has(name):
+            raise UnsupportedArchitectureError(f"GGUF file has no tensor {name}; cannot use --weights native")
+        return src.get(name)
+
+    with torch.no_grad():
+        for i, layer in enumerate(it):
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = {}
+            for owner, names, fused_name in ((attn, ATTN, "qkv"), (mlp, MLP, "gate_up"), (attn, ("o_proj",), "o"),
+                                             (mlp, ("down_proj",), "down")):
+                linears = [getattr(owner, n) for n in names]
+                k = linears[0].in_features
+                parts = []
+                for n, lin in zip(names, linears):
+                    kind, data, f, note = convert(i, n, lin)
+                    parts.append((kind, data, f))
+                    if note is not None:
+                        report.notes[note] = report.notes.get(note, 0) + 1
+                fused = _fuse(parts, k, _bias(linears))
+                report.add(fused)
+                groups[fused_name] = fused
+                if len(names) == 1:
+                    setattr(owner, names[0], fused)
+                else:
+                    row = 0
+                    for n, lin in zip(names, linears):
+                        setattr(owner, n, RowSlice(fused, row, row + lin.out_features))
+                        row += lin.out_features
+            q_size = attn.q_proj.out_features
+            object.__setattr__(layer, "laserlm_packed", PackedLayer(
+                qkv=groups["qkv"], o=groups["o"], gate_up=groups["gate_up"], down=groups["down"],
+                q_size=q_size, kv_size=attn.k_proj.out_features, intermediate=mlp.gate_proj.out_features))
+        _pack_embedding_and_head(model, weights, fmt, src, report)
+    return report
+
+
+def _pack_embedding_and_head(model, weights, fmt, src, report) -> None:
+    emb = model.model.embed_tokens
+    head = model.lm_head
+    tied = head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr()
+    d = emb.weight.shape[1]
+    scale = getattr(emb, "embed_scale", None)
+    scale = float(scale) if scale is not None else None
+    dtype = emb.weight.dtype
+    head_bias = getattr(head, "bias", None)
+    if src is not None:
+        kind, data, f, how = src.get("token_embd.weight")
+        report.notes[how] = report.notes.get(how, 0) + 1
+        if kind != "blocks":
+            emb_mod, emb_blocks = None, None
+        else:
+            emb_blocks, emb_fmt = data, f
+            emb_mod = QuantEmbedding(data, f, d, scale, dtype)
+        if src.has("output.weight") and not tied:
+            kind_h, data_h, f_h, how_h = src.get("output.weight")
+            report.notes[how_h] = report.notes.get(how_h, 0) + 1
+            head_mod = _fuse([(kind_h, data_h, f_h)], d, head_bias)
+        elif emb_blocks is not None:
+            head_mod = QuantLinear(emb_blocks, emb_fmt, d, head_bias)
+        else:
+            head_mod = DenseLinear(data, head_bias)
+    else:
+        emb_mod = QuantEmbedding(quant.quantize_q8_0(emb.weight), quant.Q8_0, d, scale, dtype) \
+            if d % quant.QK == 0 else None
+        kind, data, f = _from_float(head.weight, fmt)
+        if tied and f == quant.Q8_0 and emb_mod is not None:
+            head_mod = QuantLinear(emb_mod.blocks, quant.Q8_0, d, head_bias)
+        else:
+            head_mod = _fuse([(kind, data, f)], d, head_bias)
+    if emb_mod is not None:
+        report.add(emb_mod)
+        model.model.embed_tokens = emb_mod
+    if not (tied and isinstance(head_mod, QuantLinear) and emb_mod is not None
+            and head_mod.blocks.data_ptr() == emb_mod.blocks.data_ptr()):
+        report.add(head_mod)
+    model.lm_head = head_mod
+    # transformers re-ties lm_head to the embedding on some calls; the packed head is its own module now
+    if hasattr(model.config, "tie_word_embeddings"):
+        model.config.tie_word_embeddings = False

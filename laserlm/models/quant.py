@@ -1,0 +1,320 @@
+"""Weight formats: block-quantized linear layers and embeddings that run on laserlm's CPU kernels.
+
+A quantized matrix ``W [N, K]`` is stored as GGML blocks of 32 weights along K, one row after another,
+byte for byte as a GGUF file stores them (so a GGUF tensor of these types is used without conversion):
+
+========  ======  =====================================  =========================
+format    bytes   block                                  weight
+========  ======  =====================================  =========================
+``Q4_0``  18      fp16 ``d``, 16 bytes of nibbles        ``d * (q - 8)``
+``Q4_1``  20      fp16 ``d``, fp16 ``m``, 16 nibbles     ``d * q + m``
+``Q8_0``  34      fp16 ``d``, 32 int8                    ``d * q``
+========  ======  =====================================  =========================
+
+How each GGUF tensor type is taken by ``--weights native`` (see :func:`from_gguf`):
+
+- ``Q4_0``, ``Q4_1``, ``Q8_0``: used as stored (exact).
+- ``Q5_0``: re-packed into ``Q8_0`` blocks with the same scale (exact: its values are ``d * (q - 16)``,
+  ``q - 16`` in ``[-16, 15]``).
+- ``Q4_K``: each 32-weight sub-block becomes a ``Q4_1`` block with ``d = d_super * sc`` and
+  ``m = -dmin_super * min``, rounded to fp16 (relative scale error at most 2**-11; the 4-bit values are kept).
+- ``Q5_1``, ``Q5_K``, ``Q6_K``, ``Q2_K``, ``Q3_K``, ``Q8_1``: dequantized by ``gguf`` and re-quantized to ``Q8_0``
+  (round to nearest, error at most half a step of ``max|w| / 127`` per block).
+- ``F32``, ``F16``, ``BF16``: kept as float matrices.
+
+``--weights int4`` / ``int8`` quantize any float matrix by round-to-nearest into ``Q4_1`` (affine, group 32,
+the layout of llama.cpp's Q4_1) or ``Q8_0`` (symmetric, group 32). Matrices whose in-dimension is not a
+multiple of 32 stay in float (a documented fallback, counted in the load report).
+
+The kernels (:mod:`laserlm.models.kernels`) quantize the activations per 32-block to int8 on the fly, as
+llama.cpp does (Q8_0 / Q8_1 activations), and read each weight once for up to ``KERNEL_MAX_ROWS`` rows of
+activations; longer inputs (prefill) dequantize the matrix to float32 once and use a BLAS matmul.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import InvalidArgumentError, UnsupportedArchitectureError
+from . import kernels
+
+QK = 32
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+# inputs with more rows than this are multiplied by a float32 copy of the matrix (BLAS GEMM)
+KERNEL_MAX_ROWS = 16
+
+WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "native")
+QUANTIZED_FORMATS = ("int8", "int4", "native")
+
+
+# -- quantize / dequantize in PyTorch (reference path and load-time packing) -----------------------
+def _check_k(w: torch.Tensor) -> tuple[int, int]:
+    if w.dim() != 2:
+        raise InvalidArgumentError(f"expected a 2-D weight matrix, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    if k % QK:
+        raise InvalidArgumentError(f"in_features {k} is not a multiple of {QK}: no block format fits")
+    return n, k
+
+
+def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest affine 4-bit, group 32: ``w [N, K]`` float -> ``uint8 [N, K/32*20]`` Q4_1 blocks.
+
+    Same rule as ``gguf.quants.Q4_1.quantize_blocks`` (``d = (max - min) / 15``, ``m = min``)."""
+    n, k = _check_k(w)
+    b = w.detach().float().reshape(n, k // QK, QK)
+    lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.trunc((b - lo) * inv + 0.5).clamp(0, 15).to(torch.uint8)
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    dh = d.to(torch.float16).view(torch.uint8).reshape(n, k // QK, 2)
+    mh = lo.to(torch.float16).view(torch.uint8).reshape(n, k // QK, 2)
+    return torch.cat([dh, mh, qs], dim=-1).reshape(n, -1).contiguous()
+
+
+def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest symmetric 8-bit, group 32: ``w [N, K]`` -> ``uint8 [N, K/32*34]`` Q8_0 blocks
+    (``d = max|w| / 127``, as ``gguf.quants.Q8_0``)."""
+    n, k = _check_k(w)
+    b = w.detach().float().reshape(n, k // QK, QK)
+    d = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.round(b * inv).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    dh = d.to(torch.float16).view(torch.uint8).reshape(n, k // QK, 2)
+    return torch.cat([dh, q], dim=-1).reshape(n, -1).contiguous()
+
+
+def dequantize_reference(blocks: torch.Tensor, fmt: int, k: int) -> torch.Tensor:
+    """PyTorch dequantization: ``uint8 [N, K/32*bytes]`` -> float32 ``[N, K]`` (the kernels' fallback)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, k // QK, BLOCK_BYTES[fmt])
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    if fmt == Q8_0:
+        q = b[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(n, k)
+    qs = b[..., 4:] if fmt == Q4_1 else b[..., 2:]
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
+    if fmt == Q4_1:
+        m = b[..., 2:4].contiguous().view(torch.float16).float()
+        return (d * q + m).reshape(n, k)
+    return (d * (q - 8)).reshape(n, k)
+
+
+def dequantize(blocks: torch.Tensor, fmt: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[N, K]`` (or ``[len(rows), K]``) from blocks, with the compiled kernel when available."""
+    ops = kernels.ops()
+    if ops is not None:
+        idx = rows if rows is not None else torch.empty(0, dtype=torch.long)
+        return ops.dequantize(blocks, fmt, k, idx)
+    sub = blocks if rows is None else blocks[rows]
+    return dequantize_reference(sub, fmt, k)
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int) -> torch.Tensor:
+    """``x [M, K]`` float32 @ ``W.T`` -> ``[M, N]`` float32, W given as blocks."""
+    ops = kernels.ops()
+    if ops is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        return ops.qmatmul(x, blocks, fmt, k)
+    return x @ dequantize(blocks, fmt, k).T
+
+
+# -- modules ---------------------------------------------------------------------------------------
+class QuantLinear(nn.Module):
+    """A linear layer over block-quantized weights: ``[..., K] -> [..., N]``.
+
+    Args:
+        blocks: ``uint8 [N, K/32 * bytes]`` GGML blocks (see the module docstring).
+        fmt: ``Q4_0``, ``Q4_1`` or ``Q8_0`` (GGML type id).
+        in_features: K (a multiple of 32).
+        bias: optional float ``[N]``.
+
+    Inputs of any float dtype are computed in float32 and returned in the input's dtype. ``weight``
+    dequantizes on demand (float32 ``[N, K]``; for code that reads weights, not for the hot path).
+    """
+
+    def __init__(self, blocks: torch.Tensor, fmt: int, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if fmt not in BLOCK_BYTES:
+            raise InvalidArgumentError(f"unknown block format {fmt}")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != in_features // QK * BLOCK_BYTES[fmt]:
+            raise InvalidArgumentError(f"{FORMAT_NAMES[fmt]} blocks of shape {tuple(blocks.shape)} do not hold "
+                                       f"rows of {in_features} weights")
+        self.register_buffer("blocks", blocks.contiguous())
+        self.fmt = fmt
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.blocks, self.fmt, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        y = matmul(x2, self.blocks, self.fmt, self.in_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*lead, self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={FORMAT_NAMES[self.fmt]}"
+
+
+class DenseLinear(nn.Module):
+    """A float matrix in the same role as :class:`QuantLinear` (a matrix no block format fits)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().float().contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.out_features, self.in_features = self.weight.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+class RowSlice(nn.Module):
+    """Rows ``[start, stop)`` of a fused projection's output (keeps ``q_proj``/``k_proj``/... callable on
+    the transformers modules after fusion; the packed layer path calls the fused matrix once instead)."""
+
+    def __init__(self, fused: nn.Module, start: int, stop: int):
+        super().__init__()
+        self.fused = fused
+        self.start, self.stop = start, stop
+        self.in_features = fused.in_features
+        self.out_features = stop - start
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.fused.weight[self.start:self.stop]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused(x)[..., self.start:self.stop]
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding read from block-quantized rows: ``ids [B, T] -> [B, T, d]`` (float32 unless
+    ``dtype``), times ``scale`` (Gemma's ``sqrt(d)``) when given. Only the rows of the ids are dequantized."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: int, dim: int, scale: float | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("blocks", blocks.contiguous())
+        self.fmt, self.embedding_dim, self.num_embeddings = fmt, dim, blocks.shape[0]
+        self.scale = scale
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.blocks, self.fmt, self.embedding_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        out = dequantize(self.blocks, self.fmt, self.embedding_dim, flat)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=self.dtype).float()
+        return out.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+
+def quantize_matrix(w: torch.Tensor, fmt: int) -> torch.Tensor:
+    """Float ``[N, K]`` -> blocks of ``fmt`` (``Q4_1`` or ``Q8_0``)."""
+    if fmt == Q4_1:
+        return quantize_q4_1(w)
+    if fmt == Q8_0:
+        return quantize_q8_0(w)
+    raise InvalidArgumentError(f"cannot quantize to {FORMAT_NAMES.get(fmt, fmt)}")
+
+
+# -- GGUF tensors ----------------------------------------------------------------------------------
+def _q4_k_to_q4_1(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Q4_K super-blocks (256 weights: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of
+    nibbles) -> Q4_1 blocks, one per 32-weight sub-block (``d*sc`` and ``-dmin*m`` rounded to fp16)."""
+    from gguf.quants import Q4_K  # noqa: PLC0415
+
+    blocks = raw.reshape(-1, 144)
+    nsb = blocks.shape[0]
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    scale = (d * sc.astype(np.float32)).astype(np.float16)      # [nsb, 8]
+    zero = (-(dmin * mn.astype(np.float32))).astype(np.float16)  # [nsb, 8]
+    qs = blocks[:, 16:].reshape(nsb, 4, 32)  # chunk j: low nibbles = sub-block 2j, high = 2j+1
+    lo, hi = qs & 0x0F, qs >> 4
+    vals = np.stack([lo, hi], axis=2).reshape(nsb, 8, 32)  # [nsb, sub-block, 32] values 0..15
+    packed = vals[..., :16] | (vals[..., 16:] << 4)
+    out = np.concatenate([scale.view(np.uint8).reshape(nsb, 8, 2), zero.view(np.uint8).reshape(nsb, 8, 2),
+                          packed.astype(np.uint8)], axis=-1)
+    return out.reshape(n, k // QK * 20)
+
+
+def _q5_0_to_q8_0(raw: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Q5_0 blocks (fp16 d, 4 bytes of high bits, 16 bytes of nibbles) -> Q8_0 blocks, exactly."""
+    b = raw.reshape(-1, 22)
+    nb = b.shape[0]
+    qh = b[:, 2:6].copy().view(np.uint32).reshape(nb, 1) >> np.arange(32, dtype=np.uint32).reshape(1, 32)
+    qh = (qh & 1).astype(np.uint8)
+    qs = b[:, 6:]
+    ql = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+    q = (ql | (qh << 4)).astype(np.int16) - 16
+    out = np.concatenate([b[:, 0:2], q.astype(np.int8).view(np.uint8)], axis=-1)
+    return out.reshape(n, k // QK * 34)
+
+
+def from_gguf(raw: np.ndarray, ggml_type: int, n: int, k: int) -> tuple[str, torch.Tensor, int | None, str]:
+    """Convert one GGUF matrix ``[N, K]`` for ``--weights native``.
+
+    Args:
+        raw: the tensor's bytes as ``gguf.GGUFReader`` gives them (``[N, row_bytes]`` uint8 for block types,
+            ``[N, K]`` float for float types).
+        ggml_type: its ``GGMLQuantizationType`` value.
+
+    Returns:
+        ``(kind, data, fmt, how)``: ``kind`` is ``"blocks"`` (``data`` uint8 blocks of ``fmt``) or
+        ``"float"`` (``data`` float32 ``[N, K]``, ``fmt`` None); ``how`` is ``"exact"`` or a note on re-quantization.
+
+    Raises:
+        UnsupportedArchitectureError: a tensor type without a kernel or conversion.
+    """
+    from gguf import GGMLQuantizationType as T  # noqa: PLC0415
+    from gguf.quants import dequantize as gguf_dequantize  # noqa: PLC0415
+
+    t = T(ggml_type)
+    if t in (T.F32, T.F16, T.BF16):
+        w = torch.from_numpy(np.asarray(gguf_dequantize(raw, t), dtype=np.float32).reshape(n, k).copy())
+        return "float", w, None, "exact"
+    if k % QK:
+        raise UnsupportedArchitectureError(f"GGUF tensor of type {t.name} with rows of {k} (not a multiple of 32)")
+    if t in (T.Q4_0, T.Q4_1, T.Q8_0):
+        return "blocks", torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1).copy()), int(t), "exact"
+    if t == T.Q5_0:
+        return "blocks", torch.from_numpy(_q5_0_to_q8_0(np.ascontiguousarray(raw), n, k)), Q8_0, "exact (Q5_0 as Q8_0)"
+    if t == T.Q4_K:
+        return ("blocks", torch.from_numpy(_q4_k_to_q4_1(np.ascontiguousarray(raw), n, k)), Q4_1,
+                "Q4_K sub-blocks as Q4_1 (scales rounded to fp16)")
+    if t in (T.Q5_1, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q8_1):
+        w = torch.from_numpy(np.asarray(gguf_dequantize(raw, t), dtype=np.float32).reshape(n, k).copy())
+        return "blocks", quantize_q8_0(w), Q8_0, f"{t.name} re-quantized to Q8_0"
+    raise UnsupportedArchitectureError(
+        f"GGUF tensor type {t.name} has no laserlm kernel; load it with --weights fp32 or --weights bf16 "
+        f"(dequantized by transformers), or int8/int4 to re-quantize from the dequantized copy")

@@ -1,0 +1,157 @@
+"""Decoder layers over packed (fused, quantized) weights: the fast path of ``--weights int4|int8|native``.
+
+One function per family computes the same function as the transformers layer (transformers 5.24's
+``LlamaDecoderLayer`` / ``MistralDecoderLayer`` / ``Qwen2DecoderLayer`` / ``Qwen3DecoderLayer`` /
+``Gemma3DecoderLayer``) with fewer, larger operations:
+
+- q, k and v come from one matrix (``qkv``), gate and up from one (``gate_up``) — see
+  :mod:`laserlm.models.packing`;
+- RMSNorm is one ``F.rms_norm`` call (statistics in float32, like transformers);
+- the rotary embedding is applied to q and k together (one ``rotate_half``, two multiplies, one add);
+- attention is laserlm's attention function (so attention probabilities for the ATS, block-sparse
+  kernels and masked bridge holes work unchanged).
+
+Numerics differ from the float model only by the weight format and the kernels' int8 activation
+rounding (``tests/test_quantized.py`` bounds both against float64 references).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models import kernels
+from ..models.quant import KERNEL_MAX_ROWS, QuantLinear
+from . import attention as attn
+
+_EMPTY = torch.empty(0)
+_ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
+def _norm_params(norm) -> tuple[torch.Tensor, float]:
+    """``(weight, eps)`` for ``F.rms_norm`` equal to the module (Gemma's norm scales by ``1 + weight``)."""
+    cached = getattr(norm, "_laserlm_rms", None)
+    if cached is not None and cached[2] is norm.weight._version:
+        return cached[0], cached[1]
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    w = norm.weight.detach().float()
+    if type(norm).__name__ == "Gemma3RMSNorm":
+        w = 1.0 + w
+    object.__setattr__(norm, "_laserlm_rms", (w, float(eps), norm.weight._version))
+    return w, float(eps)
+
+
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    w, eps = _norm_params(norm)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _sliding_window(layer) -> int | None:
+    """The window the transformers attention module passes to the attention function (None: global)."""
+    a = layer.self_attn
+    if type(layer).__name__ == "MistralDecoderLayer":
+        return getattr(a.config, "sliding_window", None)
+    return getattr(a, "sliding_window", None)
+
+
+def _attention(layer, pk, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+    """Self-attention block output (before the residual), ``[B, T, d] -> [B, T, d]``."""
+    a = layer.self_attn
+    b, t, _ = hidden.shape
+    hd = a.head_dim
+    qkv = pk.qkv(hidden)  # [B, T, (H + 2 Hkv) * hd]
+    h, hkv = pk.q_size // hd, pk.kv_size // hd
+    qk = qkv[..., : pk.q_size + pk.kv_size].view(b, t, h + hkv, hd)
+    v = qkv[..., pk.q_size + pk.kv_size:].view(b, t, hkv, hd).transpose(1, 2)
+    q_norm = getattr(a, "q_norm", None)
+    if q_norm is not None:  # Qwen3 / Gemma3: RMSNorm over head_dim before the rotary embedding
+        q = _rms(q_norm, qk[:, :, :h])
+        k = _rms(a.k_norm, qk[:, :, h:])
+        qk = torch.cat((q, k), dim=2)
+    qk = _rotate(qk, cos.unsqueeze(2), sin.unsqueeze(2))  # cos/sin [1, T, 1, hd]
+    q, k = qk[:, :, :h].transpose(1, 2), qk[:, :, h:].transpose(1, 2)
+    if cache is not None:
+        k, v = cache.update(k, v, a.layer_idx)
+    out, _ = attn.laser_attention_forward(a, q, k, v, None, dropout=0.0, scaling=a.scaling,
+                                          sliding_window=_sliding_window(layer))
+    return pk.o(out.reshape(b, t, -1))
+
+
+def _native_args(layer):
+    """Static arguments of the compiled whole-layer kernel for ``layer``, or ``None`` when it cannot take
+    the layer (a float or mixed-format matrix, biases outside q/k/v, another activation)."""
+    pk = layer.laserlm_packed
+    cached = getattr(pk, "_native", None)
+    if cached is not None:
+        return cached or None
+    a, cfg = layer.self_attn, layer.self_attn.config
+    mats = (pk.qkv, pk.o, pk.gate_up, pk.down)
+    act = _ACTS.get(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None))
+    ok = (all(isinstance(m, QuantLinear) for m in mats) and all(m.bias is None for m in mats[1:]) and act is not None)
+    if not ok:
+        object.__setattr__(pk, "_native", ())
+        return None
+    gemma = hasattr(layer, "pre_feedforward_layernorm")
+    in_w, eps = _norm_params(layer.input_layernorm)
+    if gemma:
+        norms = [in_w, _norm_params(layer.post_attention_layernorm)[0], _norm_params(layer.pre_feedforward_layernorm)[0],
+                 _norm_params(layer.post_feedforward_layernorm)[0]]
+    else:
+        norms = [in_w, _EMPTY, _norm_params(layer.post_attention_layernorm)[0], _EMPTY]
+    q_norm = getattr(a, "q_norm", None)
+    norms += [_norm_params(q_norm)[0], _norm_params(a.k_norm)[0]] if q_norm is not None else [_EMPTY, _EMPTY]
+    hd = a.head_dim
+    args = (norms, eps, [m.blocks for m in mats], [m.fmt for m in mats],
+            pk.qkv.bias if pk.qkv.bias is not None else _EMPTY, pk.q_size // hd, pk.kv_size // hd, hd,
+            float(a.scaling), int(_sliding_window(layer) or 0), act, pk.intermediate)
+    object.__setattr__(pk, "_native", args)
+    return args
+
+
+def _native_layer(layer, hidden, cos, sin, cache):
+    """Run the whole layer in one compiled call when nothing needs laserlm's attention hook; else ``None``."""
+    if cache is None or hidden.dtype != torch.float32 or hidden.shape[1] > KERNEL_MAX_ROWS:
+        return None
+    ops = kernels.ops()
+    ctx = attn.current_context()
+    idx = layer.self_attn.layer_idx
+    if ops is None or ctx is None or ctx.kernel is not None or idx in ctx.want_probs or ctx.key_valid.get(idx) is not None:
+        return None
+    args = _native_args(layer)
+    if args is None or cache.k[idx].dtype != torch.float32:
+        return None
+    norms, eps, mats, fmts, bias, h, hkv, hd, scaling, window, act, inter = args
+    out = ops.decode_layer(hidden, norms, eps, mats, fmts, bias, cos[0], sin[0], cache.k[idx], cache.v[idx],
+                           cache._start, h, hkv, hd, scaling, window, act, inter)
+    return out
+
+
+def packed_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                 native: bool = True) -> torch.Tensor:
+    """``layer(hidden, cache=cache, position_embeddings=(cos, sin))`` on ``layer.laserlm_packed``.
+
+    ``hidden [B, T, d]``; ``cos/sin [1, T, head_dim]``; ``cache`` a :class:`KVCache` or ``None``. Must run
+    inside an :func:`~laserlm.runtime.attention.attention_context`. ``native``: use the compiled
+    whole-layer kernel where it applies. Returns ``[B, T, d]``.
+    """
+    out = _native_layer(layer, hidden, cos, sin, cache) if native else None
+    if out is not None:
+        return out
+    pk = layer.laserlm_packed
+    mlp = layer.mlp
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma3: norms after attention and MLP too
+        x = _attention(layer, pk, _rms(layer.input_layernorm, hidden), cos, sin, cache)
+        hidden = hidden + _rms(layer.post_attention_layernorm, x)
+        gu = pk.gate_up(_rms(layer.pre_feedforward_layernorm, hidden))
+        g, u = gu[..., : pk.intermediate], gu[..., pk.intermediate:]
+        x = pk.down(F.gelu(g, approximate="tanh") * u)
+        return hidden + _rms(layer.post_feedforward_layernorm, x)
+    hidden = hidden + _attention(layer, pk, _rms(layer.input_layernorm, hidden), cos, sin, cache)
+    gu = pk.gate_up(_rms(layer.post_attention_layernorm, hidden))
+    g, u = gu[..., : pk.intermediate], gu[..., pk.intermediate:]
+    return hidden + pk.down(mlp.act_fn(g) * u)

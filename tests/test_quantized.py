@@ -1,0 +1,358 @@
+"""Quantized weights (``--weights int8|int4|native``): the block kernels against float64 references built
+from ``gguf``'s own dequantization, the native GGUF path against transformers' converted float copy, the
+compiled whole-layer kernel against the PyTorch ops, every family on tiny random configs, end-to-end
+quality on the real model, the decoding modes on packed weights, and the errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import laserlm
+from laserlm.errors import InvalidArgumentError, UnsupportedArchitectureError
+from laserlm.models import kernels, quant
+from laserlm.models.packing import pack_model
+from laserlm.runtime.engine import Engine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _reader(model: str):
+    from gguf import GGUFReader
+
+    from laserlm.models.registry import BUNDLED
+
+    return GGUFReader(str(BUNDLED[model].locate()))
+
+
+def _act_rounding_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Worst-case |y - y_exact| from rounding the activations to int8 per 32-block (d = max|x_b| / 127,
+    error <= d / 2 per element): sum over blocks of ||w_row,b||_1 * d_b / 2, per (row of x, row of w)."""
+    t, k = x.shape
+    xb = np.abs(x.reshape(t, k // 32, 32)).max(-1) / 127 / 2          # [T, nb]
+    wb = np.abs(w.reshape(w.shape[0], k // 32, 32)).sum(-1)            # [N, nb]
+    return xb @ wb.T                                                   # [T, N]
+
+
+def _check_matmul(raw_blocks: torch.Tensor, fmt: int, w64: np.ndarray, rows: int = 3):
+    """qmatmul(x) vs float64 x @ w64.T within the activation-rounding bound (+ float32 summation slack)."""
+    k = w64.shape[1]
+    g = torch.Generator().manual_seed(0)
+    for t in (1, rows, 7):
+        x = torch.randn(t, k, generator=g)
+        got = quant.matmul(x, raw_blocks, fmt, k).double().numpy()
+        ref = x.double().numpy() @ w64.T
+        bound = _act_rounding_bound(w64, x.double().numpy()) + 1e-5 * (np.abs(x.double().numpy()) @ np.abs(w64).T) + 1e-6
+        assert np.all(np.abs(got - ref) <= bound), f"{quant.FORMAT_NAMES[fmt]} T={t}: max excess {np.max(np.abs(got - ref) - bound)}"
+
+
+def test_kernels_are_built():
+    assert kernels.ops() is not None, kernels.unavailable_reason()
+
+
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.7.ffn_down.weight", "token_embd.weight"])
+def test_smollm2_tensors_match_gguf_dequantize(name):
+    """Real SmolLM2 tensors (Q4_1 layers, Q8_0 embedding): dequantization is bit-exact with gguf's, and the
+    matmul kernel is within the stated activation-rounding bound of a float64 matmul."""
+    from gguf.quants import dequantize
+
+    t = {t.name: t for t in _reader("smollm2-135m").tensors}[name]
+    raw = np.asarray(t.data)[:2048]  # the embedding has 49152 rows: a slice is enough
+    n, k = raw.shape[0], int(t.shape[0])
+    kind, blocks, fmt, how = quant.from_gguf(raw, int(t.tensor_type), n, k)
+    assert kind == "blocks" and how == "exact"
+    ref = dequantize(raw, t.tensor_type).astype(np.float32).reshape(n, k)
+    assert np.array_equal(quant.dequantize(blocks, fmt, k).numpy(), ref)
+    assert np.array_equal(quant.dequantize_reference(blocks, fmt, k).numpy(), ref)
+    _check_matmul(blocks, fmt, ref.astype(np.float64))
+
+
+def test_q4_0_blocks_match_gguf():
+    """Q4_0 is in neither bundled model: gguf quantizes a random matrix, laserlm multiplies it."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
+    raw = quantize(w, T.Q4_0)
+    kind, blocks, fmt, _ = quant.from_gguf(raw, int(T.Q4_0), 96, 128)
+    ref = dequantize(raw, T.Q4_0).astype(np.float32)
+    assert np.array_equal(quant.dequantize(blocks, fmt, 128).numpy(), ref)
+    _check_matmul(blocks, fmt, ref.astype(np.float64))
+
+
+def test_int4_int8_quantizers_match_gguf_reference():
+    """laserlm's round-to-nearest Q4_1 / Q8_0 quantizers produce gguf's blocks (its reference quantizer)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import quantize
+
+    w = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    for ours, qt in ((quant.quantize_q4_1, T.Q4_1), (quant.quantize_q8_0, T.Q8_0)):
+        theirs = quantize(w, qt).reshape(64, -1)
+        mine = ours(torch.from_numpy(w)).numpy()
+        # identical up to ties in rounding (a handful of weights exactly half-way): compare dequantized values
+        fmt = quant.Q4_1 if qt == T.Q4_1 else quant.Q8_0
+        a, b = quant.dequantize_reference(torch.from_numpy(mine), fmt, 96), quant.dequantize_reference(
+            torch.from_numpy(theirs.copy()), fmt, 96)
+        assert (a != b).float().mean() < 1e-3
+
+
+@pytest.mark.slow
+def test_gemma3_tensor_types_match_gguf_dequantize():
+    """Gemma3-270M's Q5_0 (exact as Q8_0), Q4_K (as Q4_1, scales rounded to fp16), Q6_K and Q8_0 tensors."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    seen = set()
+    for t in _reader("gemma3-270m").tensors:
+        if t.tensor_type in seen or t.tensor_type in (T.F32, T.F16) or not t.name.startswith("blk."):
+            continue
+        seen.add(t.tensor_type)
+        raw = np.asarray(t.data)
+        n, k = raw.shape[0], int(t.shape[0])
+        kind, blocks, fmt, how = quant.from_gguf(raw, int(t.tensor_type), n, k)
+        ref = dequantize(raw, t.tensor_type).astype(np.float64).reshape(n, k)
+        got = quant.dequantize(blocks, fmt, k).double().numpy()
+        blockmax = np.abs(ref.reshape(n, k // 32, 32)).max(-1, keepdims=True)
+        err = np.abs(got - ref).reshape(n, k // 32, 32)
+        if t.tensor_type in (T.Q5_0, T.Q8_0):
+            assert np.array_equal(got, ref), t.tensor_type.name
+        elif t.tensor_type == T.Q4_K:  # d and m re-rounded to fp16: <= 2**-11 relative on d*q and on m
+            assert np.all(err <= 2 ** -10 * (blockmax + np.abs(ref.reshape(n, k // 32, 32)).max(-1, keepdims=True)) + 1e-7)
+        else:  # re-quantized to Q8_0: half a step of max|w|/127, the step itself rounded to fp16
+            assert np.all(err <= 0.5 * blockmax / 127 * (1 + 2 ** -9) + 1e-7), t.tensor_type.name
+        _check_matmul(blocks, fmt, got)
+    assert {T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0} <= seen
+
+
+# -- the native path on the real model -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_native():
+    return laserlm.load("smollm2-135m", weights="native")
+
+
+def test_auto_weights_pick_native_for_gguf_and_fp32_when_dtype_given(smol, smol_native):
+    assert smol.weights == "fp32" and smol_native.weights == "native"
+    assert smol_native.loaded.pack_report.formats == {"Q4_1": 120, "Q8_0": 1}
+
+
+def test_native_matrices_equal_the_converted_float_copy(smol, smol_native):
+    """Every fused/native matrix dequantizes to exactly transformers' dequantized weights (checks the q/k
+    row permutation of Llama GGUF files, the fusion order and the tied head)."""
+    for ref_layer, layer in zip(smol.engine.adapter.layers, smol_native.engine.adapter.layers):
+        pk, a, m = layer.laserlm_packed, ref_layer.self_attn, ref_layer.mlp
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        assert torch.equal(pk.qkv.weight, qkv)
+        assert torch.equal(pk.o.weight, a.o_proj.weight)
+        assert torch.equal(pk.gate_up.weight, torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        assert torch.equal(pk.down.weight, m.down_proj.weight)
+    assert torch.equal(smol_native.engine.adapter.lm_head.weight, smol.engine.adapter.lm_head.weight)
+    ids = torch.tensor([[1, 500, 49151]])
+    assert torch.equal(smol_native.engine.adapter.embed(ids), smol.engine.adapter.embed(ids))
+
+
+def _logits(eng: Engine, ids: torch.Tensor, steps=()):
+    eng.reset()
+    out = [eng.forward(ids, logits="all").logits[0]]
+    for s in steps:
+        out.append(eng.forward(s, logits="all").logits[0])
+    return torch.cat(out)
+
+
+def test_compiled_layer_equals_the_pytorch_ops(smol_native):
+    """The whole-layer C++ kernel (decode / verification sizes) against packed_layers' PyTorch ops on the
+    same matrices: independent norms, rotary, KV writes and attention."""
+    eng = smol_native.engine
+    ids = torch.tensor([[1, 415, 3575, 282, 4649, 314]])
+    steps = [torch.tensor([[28]]), torch.tensor([[253, 30, 1013]]), torch.tensor([[13]])]
+    eng.native_layers = True
+    a = _logits(eng, ids, steps)
+    eng.native_layers = False
+    try:
+        b = _logits(eng, ids, steps)
+    finally:
+        eng.native_layers = True
+    # both round the activations to int8 per 32-block, and slightly different float sums flip a rounding now
+    # and then, so the paths agree to the size of one such flip, far closer than either is to fp32
+    rel = ((a - b).norm() / b.norm()).item()
+    assert rel < 1e-2, rel
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def _windows(smol, n_windows=6, length=256):
+    from laserlm.evaluation.data import read_wikitext, task_paths
+
+    text = read_wikitext(task_paths("wikitext")[0])[:200_000]
+    ids = torch.tensor(smol.tokenizer(text)["input_ids"])
+    return [ids[i * length:(i + 1) * length] for i in range(n_windows)]
+
+
+def test_native_perplexity_and_agreement_vs_fp32(smol, smol_native):
+    """WikiText-2 test: perplexity within 1 % of the dequantized-fp32 reference, and teacher-forced greedy
+    top-1 agreement >= 0.95."""
+    nll_ref, nll_q, agree, n = 0.0, 0.0, 0, 0
+    for w in _windows(smol):
+        x = w.unsqueeze(0)
+        with torch.inference_mode():
+            ref = smol.engine.forward(x, logits="all", use_cache=False).logits[0, :-1]
+            got = smol_native.engine.forward(x, logits="all", use_cache=False).logits[0, :-1]
+        tgt = w[1:]
+        nll_ref += torch.nn.functional.cross_entropy(ref, tgt, reduction="sum").item()
+        nll_q += torch.nn.functional.cross_entropy(got, tgt, reduction="sum").item()
+        agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+        n += tgt.numel()
+    ppl_ref, ppl_q = np.exp(nll_ref / n), np.exp(nll_q / n)
+    assert abs(ppl_q / ppl_ref - 1) < 0.01, (ppl_ref, ppl_q)
+    assert agree / n >= 0.95, agree / n
+
+
+def test_native_decode_agrees_with_fp32_token_by_token(smol, smol_native):
+    """The decode path (compiled layer, T = 1) gives the same next-token argmax as fp32 on >= 95 % of
+    teacher-forced positions."""
+    w = _windows(smol, 1, 96)[0]
+    eng_q, eng_f = smol_native.engine, smol.engine
+    eng_q.reset(), eng_f.reset()
+    eng_q.prefill(w[:8].unsqueeze(0)), eng_f.prefill(w[:8].unsqueeze(0))
+    same = 0
+    for tok in w[8:]:
+        a = eng_q.decode_step(tok.view(1)).logits.argmax()
+        b = eng_f.decode_step(tok.view(1)).logits.argmax()
+        same += int(a == b)
+    assert same / (len(w) - 8) >= 0.95
+
+
+@pytest.mark.parametrize("mode", ["adaptive:groups=5,policy=confidence,threshold=0.5,bridge=propagate",
+                                  "adaptive:groups=5,policy=confidence+ats,threshold=0.5,bridge=deferred",
+                                  "adaptive:groups=5,policy=saturation,threshold=0.99,bridge=none",
+                                  "static:layers=26", "early-exit:layer=24"])
+def test_modes_run_on_native_weights(smol_native, mode):
+    r = smol_native.generate("The history of Rome", mode=mode, max_new_tokens=8, ignore_eos=True)
+    assert r.generated_tokens == 8 and r.text.strip()
+
+
+def test_speculative_equals_full_greedy_on_native_weights(smol_native):
+    full = smol_native.generate("The history of Rome", max_new_tokens=24, ignore_eos=True)
+    spec = smol_native.generate("The history of Rome", mode="speculative:draft_layers=20,k=3,threshold=0.0",
+                                max_new_tokens=24, ignore_eos=True)
+    assert spec.token_ids == full.token_ids
+
+
+def test_sparse_attention_runs_on_native_weights(smol_native):
+    from laserlm.attention import configure
+
+    eng = smol_native.engine
+    configure(eng, "sparse", threshold=0.5, block_size=16, dense_layers=2)
+    try:
+        r = smol_native.generate("word " * 80, max_new_tokens=4, ignore_eos=True)
+    finally:
+        configure(eng, "dense")
+    assert r.generated_tokens == 4
+
+
+# -- every family on tiny random configs -------------------------------------------------------------
+def _tiny(family: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=96, max_position_embeddings=128)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif family == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=5))
+    elif family == "qwen2":  # q/k/v biases
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif family == "qwen3":  # q/k norms
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=16))
+    else:
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **common, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norms and biases
+            if p.dim() == 1:
+                p.normal_(0.5 if family != "gemma3" else 0.0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_packed_families_match_the_dequantized_float_model(family, weights):
+    """Pack a tiny random model, then give an unpacked copy exactly the packed weights (dequantized): the
+    packed engine's logits (compiled layer for decode, BLAS for the prefill) equal the fp32 engine's up to
+    the kernels' activation rounding."""
+    import copy
+
+    model = _tiny(family)
+    ref = copy.deepcopy(model)
+    pack_model(model, weights)
+    with torch.no_grad():
+        for lr, lp in zip(ref.model.layers, model.model.layers):
+            for owner, names in ((lr.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 (lr.mlp, ("gate_proj", "up_proj", "down_proj"))):
+                for nm in names:
+                    getattr(owner, nm).weight.copy_(getattr(lp.self_attn if owner is lr.self_attn else lp.mlp, nm).weight)
+        ref.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
+        ref.model.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+    eng_p, eng_r = Engine(model, max_seq_len=64), Engine(ref, max_seq_len=64)
+    assert len(eng_p._packed) == 3
+    ids = torch.tensor([[3, 17, 42, 8, 90, 11, 5, 60, 33, 2]])
+    steps = [torch.tensor([[7]]), torch.tensor([[1, 2, 3]]), torch.tensor([[44]])]
+    a, b = _logits(eng_p, ids, steps), _logits(eng_r, ids, steps)
+    rel = (a - b).norm() / b.norm()
+    assert rel < 0.02, rel
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.85
+
+
+def test_non_multiple_of_32_in_features_stay_float():
+    """A matrix whose in-dimension no block format fits is kept in float (documented fallback)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    report = pack_model(model.eval(), "int4")
+    assert report.formats["float32"] == 2  # the two down projections (80 inputs)
+    eng = Engine(model, max_seq_len=32)
+    out = eng.forward(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(out).all()
+
+
+# -- errors -------------------------------------------------------------------------------------------
+def test_weights_errors(tmp_path):
+    from laserlm.models.loader import resolve_weights
+
+    with pytest.raises(InvalidArgumentError, match="unknown weight format 'int3'"):
+        laserlm.load("smollm2-135m", weights="int3")
+    with pytest.raises(InvalidArgumentError, match="contradicts --dtype bfloat16"):
+        resolve_weights("fp32", "bfloat16", True)
+    with pytest.raises(InvalidArgumentError, match="not a GGUF file"):
+        resolve_weights("native", None, False)
+    assert resolve_weights("auto", None, True)[0] == "native"
+    assert resolve_weights("auto", "float32", True)[0] == "fp32"
+    assert resolve_weights("auto", None, False)[0] == "fp32"
+
+
+def test_native_on_a_float_checkpoint_is_a_clear_error(tmp_path):
+    model = _tiny("llama")
+    model.save_pretrained(tmp_path)
+    from laserlm.models.loader import load_model
+
+    with pytest.raises(InvalidArgumentError, match="not a GGUF file; use --weights int4, int8, bf16 or fp32"):
+        load_model(str(tmp_path), weights="native")
+
+
+def test_unsupported_gguf_type_names_type_and_alternatives():
+    from gguf import GGMLQuantizationType as T
+
+    with pytest.raises(UnsupportedArchitectureError, match=r"IQ2_XXS has no laserlm kernel.*--weights fp32"):
+        quant.from_gguf(np.zeros((4, 66), dtype=np.uint8), int(T.IQ2_XXS), 4, 256)
+
+
+def test_cli_rejects_unknown_weights(capsys):
+    from laserlm.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--weights", "int3", "hi"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
