@@ -283,3 +283,85 @@ def test_attention_part_of_a_configuration(smol):
     ids = smol.tokenizer("One two three four five six seven eight nine ten eleven twelve")["input_ids"]
     r = sc.score([ids], [1])[0]
     assert r.token_logprobs.numel() == len(ids) - 1 and torch.isfinite(r.token_logprobs).all()
+
+
+# -- issue 18: log-likelihood at a merging join -----------------------
+def _ref_logprob(ref, ids: list[int], start: int) -> float:
+    """sum_t log p(ids[t] | ids[:t]) for t >= start, a hand-computed float64 log-softmax of the unmodified
+    transformers model's logits."""
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].double(), -1)
+    return sum(float(lp[t - 1, ids[t]]) for t in range(start, len(ids)))
+
+
+@pytest.mark.parametrize("context, continuation", [("Ans", "wer"), ("hello wor", "ld")])
+def test_loglikelihood_at_a_merging_join(smol, smol_ref, context, continuation):
+    """SmolLM2 encodes "Answer" as one token: the joined encoding does not start with the context's, so the
+    continuation is encoded on its own (lm-eval PR #4055) and scored after the context's tokens."""
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+
+    tok = smol.tokenizer
+    ctx = tok(context)["input_ids"]
+    assert tok(context + continuation)["input_ids"][:len(ctx)] != ctx or \
+        len(tok(context + continuation)["input_ids"]) <= len(ctx), "not a merging join any more"
+    want_ids = ctx + tok(continuation, add_special_tokens=False)["input_ids"]
+    assert encode_pair(tok, context, continuation) == (want_ids, len(ctx))
+    (lp, _), = LaserLMHarness(smol).loglikelihood([FakeInstance(context, continuation)])
+    assert math.isfinite(lp)
+    assert lp == pytest.approx(_ref_logprob(smol_ref, want_ids, len(ctx)), abs=2e-3)
+
+
+class _SpacelessTokenizer:
+    """SmolLM2's tokenizer on text with the spaces removed, as for a script written without spaces: the
+    " " + choice continuation of a multiple-choice item then merges with the end of its context."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __call__(self, text, **kw):
+        return self._tok(text.replace(" ", ""), **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_choice_task_scores_a_merging_join_like_the_harness(smol, smol_ref, tmp_path):
+    """laserlm eval's multiple-choice scorer uses the same join rule: it runs (it raised "encodes to no
+    tokens" before) and picks the choice a hand-computed log-softmax ranks first."""
+    from types import SimpleNamespace
+
+    tok = _SpacelessTokenizer(smol.tokenizer)
+    items = [("The capital of France is Par", ["is", "rot", "ade"]), ("He gave the Ans", ["wer", "ible", "el"])]
+    lines, expect_acc = [], []
+    for ctx, endings in items:
+        pairs = [(tok(ctx)["input_ids"], tok(" " + e, add_special_tokens=False)["input_ids"]) for e in endings]
+        ll = [_ref_logprob(smol_ref, c + e, len(c)) for c, e in pairs]
+        gold = max(range(3), key=ll.__getitem__)
+        expect_acc.append(max(range(3), key=lambda i: ll[i] / len(endings[i])) == gold)  # acc_norm hit
+        lines += [ctx, str(gold), *endings, endings[0]]  # HellaSwag format: 4 endings, a copy as the 4th
+    (tmp_path / "hellaswag").mkdir()
+    with bz2.open(tmp_path / "hellaswag" / "hellaswag_val_full.txt.bz2", "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    lm = SimpleNamespace(engine=smol.engine, tokenizer=tok)
+    res = Evaluator(lm, [], EvalSettings(data_dir=str(tmp_path), progress=False)).run("hellaswag")["full"]
+    assert res["n"] == 2 and res["acc"] == 1.0
+    assert res["acc_norm"] == sum(expect_acc) / 2
+
+
+@pytest.mark.slow
+def test_gemma3_loglikelihood_at_a_merging_join():
+    """Gemma3 encodes "foobar" as fo|obar: ("foo", "bar") must score "bar" after "foo", not "obar" after "fo"."""
+    import laserlm
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+
+    lm = laserlm.load("gemma3-270m", dtype="float32")
+    tok = lm.tokenizer
+    ctx = tok("foo")["input_ids"]
+    assert tok("foobar")["input_ids"][:len(ctx)] != ctx, "not a merging join any more"
+    want_ids = ctx + tok("bar", add_special_tokens=False)["input_ids"]
+    assert encode_pair(tok, "foo", "bar") == (want_ids, len(ctx))
+    (lp, _), = LaserLMHarness(lm).loglikelihood([FakeInstance("foo", "bar")])
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(lm.loaded.path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert lp == pytest.approx(_ref_logprob(ref, want_ids, len(ctx)), abs=2e-3)
