@@ -21,13 +21,26 @@ EXIT_USAGE = 2
 SUBCOMMAND_MODULES = ["laserlm.evaluation.cli", "laserlm.bench.cli", "laserlm.training.cli"]
 
 
+def dtype_arg(value: str) -> str:
+    """``--dtype`` values: the API's check (:func:`laserlm.models.dtypes.check_offered_dtype`), so both refuse
+    float16 with the same message."""
+    from .models.dtypes import check_offered_dtype  # noqa: PLC0415
+
+    try:
+        return check_offered_dtype(value)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by every command that loads a model."""
     p.add_argument("--model", "-m", default="smollm2-135m",
                    help="bundled name (see `laserlm models`), .gguf file, model directory or cached hub id "
                         "(default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="weights and activations dtype (default: %(default)s)")
+    from .models.dtypes import OFFERED_DTYPES  # noqa: PLC0415
+
+    p.add_argument("--dtype", type=dtype_arg, default="float32", metavar="{" + ",".join(OFFERED_DTYPES) + "}",
+                   help="weights and activations dtype (default: %(default)s; float16 is not offered: it overflows)")
     p.add_argument("--ctx-size", "-c", type=int, default=None,
                    help="context size of the KV cache in tokens (default: min(4096, model limit))")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")

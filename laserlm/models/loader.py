@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError, UnsupportedArchitectureError
+from .dtypes import check_offered_dtype
 from .registry import BUNDLED
 
 SUPPORTED_MODEL_TYPES = {
@@ -269,6 +270,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", progress: bool =
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
+    check_offered_dtype(dtype)  # float16 is refused with the CLI's message (laserlm.models.dtypes)
     torch_dtype = parse_dtype(dtype)
     where = resolve(name, progress=progress)
     _quiet_transformers()
