@@ -24,6 +24,7 @@ import torch
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError, UnsupportedArchitectureError
 from .dtypes import check_offered_dtype
 from .registry import BUNDLED
+from .tokenizer_probe import warn_on_round_trip_failure
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "Llama (SmolLM2, Llama 2/3)",
@@ -300,6 +301,7 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", progress: bool =
         )
     model.eval()
     model.requires_grad_(False)
+    warn_on_round_trip_failure(tokenizer, name, where)  # encode -> decode probe (laserlm.models.tokenizer_probe)
     cfg = model.config
     identity = {
         "name": name,
