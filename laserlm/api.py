@@ -86,9 +86,13 @@ class LaserLM:
             **sampling: fields of :class:`~laserlm.runtime.sampling.SamplingParams`
                 (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``ignore_eos``).
 
+        A string prompt is encoded with the tokenizer's special tokens, but a BOS the text already starts
+        with (a rendered chat prompt) is not added a second time.
+
         Raises:
             InvalidArgumentError: bad sampling values or empty prompt.
             ContextLengthError: prompt longer than the context.
+            NonFiniteLogitsError: while iterating, when the model's logits contain NaN or +inf.
         """
         params = SamplingParams(**sampling).validate()
         source = self._token_source(mode)
@@ -114,8 +118,12 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
     ``threshold=0.5, block_size=64, dense_layers=2``) configure block-sparse attention
     (:func:`laserlm.attention.parse_attention`).
 
+    ``dtype``: ``"float32"`` (default) or ``"bfloat16"``; ``"float16"`` is refused with the CLI's message
+    (it overflows in these models, :mod:`laserlm.models.dtypes`).
+
     Raises:
-        ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError, InvalidArgumentError.
+        ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
+        InvalidArgumentError (bad dtype, float16 included, or attention options).
     """
     return LaserLM(load_model(name, dtype=dtype, weights=weights), max_seq_len=max_seq_len, attention=attention,
                    **attention_options)

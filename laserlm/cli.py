@@ -21,18 +21,32 @@ EXIT_USAGE = 2
 SUBCOMMAND_MODULES = ["laserlm.evaluation.cli", "laserlm.bench.cli", "laserlm.training.cli"]
 
 
+def dtype_arg(value: str) -> str:
+    """``--dtype`` values: the API's check (:func:`laserlm.models.dtypes.check_offered_dtype`), so both refuse
+    float16 with the same message."""
+    from .models.dtypes import check_offered_dtype  # noqa: PLC0415
+
+    try:
+        return check_offered_dtype(value)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Arguments shared by every command that loads a model."""
     p.add_argument("--model", "-m", default="smollm2-135m",
                    help="bundled name (see `laserlm models`), .gguf file, model directory or cached hub id "
                         "(default: %(default)s)")
+    from .models.dtypes import OFFERED_DTYPES  # noqa: PLC0415
+
     p.add_argument("--weights", "-w", choices=["auto", "fp32", "bf16", "int8", "int4", "native"], default="auto",
                    help="weight format: native = a GGUF file's own quantization (4-bit types as int4 blocks, 5/6/8-bit "
                         "as int8 blocks), int8/int4 = round-to-nearest blocks of 32 for any float model, fp32 = the "
                         "exact reference path, bf16; auto = native for a GGUF file unless --dtype is given, else "
                         "fp32 (default: %(default)s)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="activations dtype, and the weights' for fp32/bf16 (default: float32)")
+    p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{" + ",".join(OFFERED_DTYPES) + "}",
+                   help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 is not "
+                        "offered: it overflows)")
     p.add_argument("--ctx-size", "-c", type=int, default=None,
                    help="context size of the KV cache in tokens (default: min(4096, model limit))")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")

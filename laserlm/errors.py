@@ -28,3 +28,10 @@ class ContextLengthError(LaserLMError, ValueError):
 
 class InvalidArgumentError(LaserLMError, ValueError):
     """An out-of-range or inconsistent argument (sampling values, thresholds, groups, ...)."""
+
+
+class NonFiniteLogitsError(LaserLMError):
+    """The model produced NaN or infinite logits (overflowing activations, e.g. float16, or damaged weights).
+
+    Raised by the generation loop before a token is picked, since every token drawn from such logits would be
+    garbage (the argmax of all-NaN logits is token 0)."""

@@ -194,6 +194,32 @@ def test_non_integer_ctx_size_is_a_usage_error(capsys):
     assert "invalid int value: 'many'" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("dtype", ["float16", torch.float16])
+def test_float16_is_refused_by_the_api_with_the_cli_message(capsys, dtype):
+    """Issue 18 item 6 (vLLM #17364): float16 overflows (Gemma3's residual stream reaches inf, then NaN, and
+    greedy decoding emitted token 0); the API refuses it up front with the CLI's message."""
+    with pytest.raises(InvalidArgumentError) as api:
+        laserlm.load("smollm2-135m", dtype=dtype)
+    with pytest.raises(InvalidArgumentError):
+        Engine.from_pretrained("smollm2-135m", dtype=dtype)
+    msg = str(api.value)
+    assert "float16" in msg and "float32, bfloat16" in msg and "\n" not in msg
+    with pytest.raises(SystemExit) as cli:
+        main(["generate", "--dtype", "float16", "hello"])
+    assert cli.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"error: argument --dtype: {msg}"), err
+    assert "Traceback" not in "\n".join(err)
+
+
+def test_offered_dtypes_still_parse():
+    from laserlm.cli import build_parser
+
+    for d in ("float32", "bfloat16"):
+        assert build_parser().parse_args(["generate", "--dtype", d, "x"]).dtype == d
+    assert build_parser().parse_args(["generate", "x"]).dtype == "float32"
+
+
 # -- sampling values ------------------------------------------------------------------------------
 BAD_SAMPLING = [
     (["--temperature", "-1"], "temperature", dict(temperature=-1.0)),
@@ -278,3 +304,17 @@ def test_generation_stats_are_strict_json():
     s = r.stats()
     assert s["decode_tokens_per_s"] is None and s["tpot_s"] is None
     json.loads(json.dumps(s, allow_nan=False))
+
+
+@pytest.mark.slow
+def test_gemma3_float16_generation_raises_instead_of_emitting_token_zero():
+    """The report's replay, bypassing the API's refusal: Gemma3-270M in float16 overflows (inf at layer 7,
+    then NaN logits); the generation loop must raise, not return token id 0 with finish_reason="length"."""
+    from dataclasses import replace
+
+    from laserlm.errors import NonFiniteLogitsError
+
+    loaded = laserlm.load("gemma3-270m", dtype="float32").loaded
+    half = replace(loaded, model=loaded.model.half(), dtype=torch.float16)
+    with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+        LaserLM(half).generate("The meaning of life is", max_new_tokens=12)

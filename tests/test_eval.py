@@ -283,3 +283,152 @@ def test_attention_part_of_a_configuration(smol):
     ids = smol.tokenizer("One two three four five six seven eight nine ten eleven twelve")["input_ids"]
     r = sc.score([ids], [1])[0]
     assert r.token_logprobs.numel() == len(ids) - 1 and torch.isfinite(r.token_logprobs).all()
+
+
+# -- issue 18: log-likelihood at a merging join, rolling perplexity, short documents -----------------------
+def _ref_logprob(ref, ids: list[int], start: int) -> float:
+    """sum_t log p(ids[t] | ids[:t]) for t >= start, a hand-computed float64 log-softmax of the unmodified
+    transformers model's logits."""
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].double(), -1)
+    return sum(float(lp[t - 1, ids[t]]) for t in range(start, len(ids)))
+
+
+@pytest.mark.parametrize("context, continuation", [("Ans", "wer"), ("hello wor", "ld")])
+def test_loglikelihood_at_a_merging_join(smol, smol_ref, context, continuation):
+    """SmolLM2 encodes "Answer" as one token: the joined encoding does not start with the context's, so the
+    continuation is encoded on its own (lm-eval PR #4055) and scored after the context's tokens."""
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+
+    tok = smol.tokenizer
+    ctx = tok(context)["input_ids"]
+    assert tok(context + continuation)["input_ids"][:len(ctx)] != ctx or \
+        len(tok(context + continuation)["input_ids"]) <= len(ctx), "not a merging join any more"
+    want_ids = ctx + tok(continuation, add_special_tokens=False)["input_ids"]
+    assert encode_pair(tok, context, continuation) == (want_ids, len(ctx))
+    (lp, _), = LaserLMHarness(smol).loglikelihood([FakeInstance(context, continuation)])
+    assert math.isfinite(lp)
+    assert lp == pytest.approx(_ref_logprob(smol_ref, want_ids, len(ctx)), abs=2e-3)
+
+
+class _SpacelessTokenizer:
+    """SmolLM2's tokenizer on text with the spaces removed, as for a script written without spaces: the
+    " " + choice continuation of a multiple-choice item then merges with the end of its context."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __call__(self, text, **kw):
+        return self._tok(text.replace(" ", ""), **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_choice_task_scores_a_merging_join_like_the_harness(smol, smol_ref, tmp_path):
+    """laserlm eval's multiple-choice scorer uses the same join rule: it runs (it raised "encodes to no
+    tokens" before) and picks the choice a hand-computed log-softmax ranks first."""
+    from types import SimpleNamespace
+
+    tok = _SpacelessTokenizer(smol.tokenizer)
+    items = [("The capital of France is Par", ["is", "rot", "ade"]), ("He gave the Ans", ["wer", "ible", "el"])]
+    lines, expect_acc = [], []
+    for ctx, endings in items:
+        pairs = [(tok(ctx)["input_ids"], tok(" " + e, add_special_tokens=False)["input_ids"]) for e in endings]
+        ll = [_ref_logprob(smol_ref, c + e, len(c)) for c, e in pairs]
+        gold = max(range(3), key=ll.__getitem__)
+        expect_acc.append(max(range(3), key=lambda i: ll[i] / len(endings[i])) == gold)  # acc_norm hit
+        lines += [ctx, str(gold), *endings, endings[0]]  # HellaSwag format: 4 endings, a copy as the 4th
+    (tmp_path / "hellaswag").mkdir()
+    with bz2.open(tmp_path / "hellaswag" / "hellaswag_val_full.txt.bz2", "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    lm = SimpleNamespace(engine=smol.engine, tokenizer=tok)
+    res = Evaluator(lm, [], EvalSettings(data_dir=str(tmp_path), progress=False)).run("hellaswag")["full"]
+    assert res["n"] == 2 and res["acc"] == 1.0
+    assert res["acc_norm"] == sum(expect_acc) / 2
+
+
+def test_rolling_windows_equal_lm_eval_windows():
+    """Against lm-eval's own functions: the same (context, continuation) pairs for every size."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from laserlm.evaluation.tasks import rolling_windows
+
+    for n in range(0, 41):
+        for max_len in range(1, 13):
+            for context_len in range(1, max_len + 1):
+                tokens = list(range(100, 100 + n))
+                want = [tuple(map(list, make_disjoint_window(w)))
+                        for w in get_rolling_token_windows(tokens, -1, max_len, context_len)]
+                seq = [-1] + tokens
+                got = [(seq[b:f], seq[f:e]) for b, e, f in rolling_windows(n, max_len, context_len)]
+                assert got == want, (n, max_len, context_len)
+                assert all(e - b - 1 <= max_len for b, e, _ in rolling_windows(n, max_len, context_len))
+    with pytest.raises(InvalidArgumentError, match="context_len"):
+        rolling_windows(10, 4, 5)
+
+
+def test_loglikelihood_rolling_scores_every_token_once_with_context(smol, smol_ref):
+    """A text of more than two context windows (64 tokens): the adapter's total equals lm-eval's rolling
+    windows (from lm_eval.utils) scored with a hand-computed log-softmax of the transformers model."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from laserlm.api import LaserLM
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+
+    text = TEXT * 4
+    tok = smol.tokenizer
+    tokens = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(tokens) > 2 * 64
+    lm64 = LaserLM(smol.loaded, max_seq_len=64)
+    got = LaserLMHarness(lm64).loglikelihood_rolling([FakeInstance(text)])[0]
+    prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    want, scored = 0.0, 0
+    for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(tokens, prefix, 64, 1)):
+        want += _ref_logprob(smol_ref, ctx + cont, len(ctx))
+        scored += len(cont)
+    assert scored == len(tokens)
+    assert got == pytest.approx(want, abs=5e-3)
+
+
+def test_one_token_document_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "wikitext-2").mkdir()
+    (tmp_path / "wikitext-2" / "test.txt").write_text("Hello")
+    assert main(["eval", "-t", "1", "--tasks", "wikitext", "--data-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("laserlm: error: wikitext: the text has 1 token(s)"), err
+
+
+def test_wikitext_report_says_which_positions_are_scored(smol, wiki_dir):
+    from laserlm.evaluation.report import markdown
+
+    ids = smol.tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    ev = Evaluator(smol, [], EvalSettings(data_dir=str(wiki_dir), window=16, progress=False))
+    r = ev.run("wikitext")
+    full = r["full"]
+    assert full["text_tokens"] == len(ids) and full["tokens_scored"] == len(ids) - math.ceil(len(ids) / 16)
+    assert "the first token of each window" in full["unscored"]
+    assert f"{full['tokens_scored']} of {len(ids)} tokens scored; unscored: the first token of each window" \
+        in markdown({"wikitext": r})
+    ev.s.stride = 8  # sliding windows: every token but the text's first
+    full = ev.run("wikitext")["full"]
+    assert full["tokens_scored"] == len(ids) - 1 and full["unscored"] == "the first token of the text only (no BOS)"
+
+
+@pytest.mark.slow
+def test_gemma3_loglikelihood_at_a_merging_join():
+    """Gemma3 encodes "foobar" as fo|obar: ("foo", "bar") must score "bar" after "foo", not "obar" after "fo"."""
+    import laserlm
+    from laserlm.evaluation.lmeval_adapter import LaserLMHarness
+
+    lm = laserlm.load("gemma3-270m", dtype="float32")
+    tok = lm.tokenizer
+    ctx = tok("foo")["input_ids"]
+    assert tok("foobar")["input_ids"][:len(ctx)] != ctx, "not a merging join any more"
+    want_ids = ctx + tok("bar", add_special_tokens=False)["input_ids"]
+    assert encode_pair(tok, "foo", "bar") == (want_ids, len(ctx))
+    (lp, _), = LaserLMHarness(lm).loglikelihood([FakeInstance("foo", "bar")])
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(lm.loaded.path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert lp == pytest.approx(_ref_logprob(ref, want_ids, len(ctx)), abs=2e-3)

@@ -8,6 +8,8 @@ of :class:`~laserlm.runtime.generate.Generation` on the real SmolLM2 and on scri
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -79,6 +81,105 @@ def test_top_p_keeps_smallest_covering_set():
     assert kept(0.6) == [True, True, False, False]
     assert kept(0.9) == [True, True, True, False]
     assert kept(1.0) == [True, True, True, True]
+
+
+def _kept(logits: torch.Tensor) -> list[list[int]]:
+    return [torch.nonzero(row > float("-inf")).flatten().tolist() for row in logits]
+
+
+def test_top_p_rounding_case_matches_transformers_warper():
+    """Issue 18 item 4 (vLLM #1623 family): 0.5 + 0.3 = 0.80000001 in float32 must not round below top_p."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.tensor([[0.3, 0.1, 0.1, 0.5]]).log()
+    want = _kept(TopPLogitsWarper(0.8)(None, logits.clone()))
+    assert want == [[0, 3]]
+    assert _kept(filter_logits(logits, 1.0, 0, 0.8)) == want
+
+
+def _kept_values(logits: torch.Tensor, filtered: torch.Tensor) -> list[list[float]]:
+    """Per row, the sorted original logits of the kept tokens: equal for two filters that keep the same
+    set up to which of several exactly tied tokens they keep (tie order is arbitrary in both)."""
+    return [sorted(row[f > float("-inf")].tolist()) for row, f in zip(logits, filtered)]
+
+
+def test_top_p_randomized_matches_transformers_warpers():
+    """Kept sets equal transformers' TopK -> TopP warpers on random rows, including coarse probabilities
+    (multiples of 1/n) whose cumulative sums land on top_p up to float32 rounding."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(18)
+    smooth = torch.randn(200, 50, generator=g) * 2.5
+    coarse = torch.randint(1, 5, (400, 12), generator=g).float()  # few distinct values: many exact boundaries
+    for logits in (smooth, (coarse / coarse.sum(-1, keepdim=True)).log()):
+        for top_p in (0.1, 0.25, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9, 0.95):
+            for top_k in (0, 5):
+                ref = TopKLogitsWarper(top_k)(None, logits.clone()) if top_k else logits.clone()
+                want = _kept_values(logits, TopPLogitsWarper(top_p)(None, ref))
+                got = _kept_values(logits, filter_logits(logits, 1.0, top_k, top_p))
+                bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+                assert not bad, f"top_p={top_p} top_k={top_k}: {len(bad)} rows differ, e.g. row {bad[0]}"
+
+
+def test_underflowing_temperature_is_greedy():
+    """Issue 18 item 3 (transformers #24111): a temperature whose 1/T overflows float32 gives the T -> 0 limit
+    of softmax(logits / T): one-hot at the argmax (split evenly over exact ties), never NaN."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 3.0, -2.0, 0.0]])
+    for t in (1e-38, 1e-45, 1e-300):
+        params = SamplingParams(temperature=t, top_p=0.9).validate()
+        p = probabilities(logits, params)
+        assert torch.isfinite(p).all()
+        assert p.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0]]
+        drawn = sample(logits.expand(64, -1, -1).reshape(-1, 4), SamplingParams(temperature=t),
+                       torch.Generator().manual_seed(0)).view(64, 2)
+        assert (drawn[:, 0] == 1).all() and set(drawn[:, 1].tolist()) == {0, 1}
+
+
+def test_underflowing_temperature_generates_greedy_text(smol, capsys):
+    from laserlm.cli import main
+
+    prompt = "The capital of France is"
+    greedy = smol.generate(prompt, max_new_tokens=5)
+    tiny = smol.generate(prompt, max_new_tokens=5, temperature=1e-38, seed=0)
+    assert tiny.token_ids == greedy.token_ids
+    assert main(["generate", "-t", "1", "--temperature", "1e-38", "-n", "5", "--json", prompt]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] == greedy.text
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_are_a_clear_error(bad):
+    """Issue 18 item 6: NaN / inf logits (float16 overflow) must not turn into token 0 forever."""
+    from laserlm.errors import LaserLMError, NonFiniteLogitsError
+
+    logits = torch.tensor([[0.1, bad, -1.0]])
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=0.7)):
+        with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+            sample(logits, params)
+    assert issubclass(NonFiniteLogitsError, LaserLMError)
+    masked = torch.tensor([[0.1, float("-inf"), -1.0]])  # -inf alone is a masked token, not an error
+    assert sample(masked, SamplingParams(temperature=0)).tolist() == [0]
+
+
+def test_generation_loop_stops_on_nan_logits(smol, monkeypatch, capsys):
+    """The full-depth loop raises (instead of emitting token id 0 with finish_reason="length") when the
+    engine's logits turn NaN mid-generation; the CLI prints one line and exits 2."""
+    from laserlm.cli import main
+    from laserlm.errors import NonFiniteLogitsError
+    from laserlm.runtime.engine import Engine
+
+    real = Engine.decode_step
+
+    def poisoned(self, token):
+        out = real(self, token)
+        out.logits = torch.full_like(out.logits, float("nan"))
+        return out
+
+    monkeypatch.setattr(Engine, "decode_step", poisoned)
+    with pytest.raises(NonFiniteLogitsError):
+        smol.generate(PROMPT, max_new_tokens=4)
+    assert main(["generate", "-t", "1", "-n", "4", PROMPT]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("laserlm: error: the model produced non-finite logits"), err
 
 
 def test_greedy_probabilities_are_one_hot():

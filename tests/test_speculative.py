@@ -160,6 +160,38 @@ def test_tiny_greedy_matches_full(one_thread, draft_layers, k, threshold, reuse)
     assert engine.position == len(prompt) + n - 1
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300])
+def test_underflowing_temperature_in_speculative_sampling_is_greedy(one_thread, temperature):
+    """Issue 18 item 3: a temperature that underflows 1/T runs the speculative *sampling* path (draft
+    probabilities, acceptance ratio, residual) without NaN and emits the full model's greedy tokens."""
+    model = tiny_model(vocab=64)
+    ref = copy.deepcopy(model)
+    ref.config._attn_implementation = "sdpa"
+    engine = Engine(model, max_seq_len=64)
+    mode = SpeculativeDecoding(4, draft_layers=2, k=3, threshold=0.0)
+    prompt, n = [3, 17, 42, 5], 30
+    params = SamplingParams(max_new_tokens=n, temperature=temperature, seed=0).validate()
+    assert not params.greedy
+    run = mode.tokens(engine, torch.tensor(prompt), params, n)
+    assert [ev.token_id for ev in run] == hf_greedy(ref, prompt, n)
+    assert run.stats.drafted > run.stats.accepted > 0, "the draft should be both accepted and rejected"
+
+
+def test_nan_logits_in_speculative_decoding_are_a_clear_error(one_thread):
+    """Issue 18 item 6: the speculative loop checks the draft and verify logits like the full-depth loop."""
+    from laserlm.errors import NonFiniteLogitsError
+
+    model = tiny_model(vocab=64)
+    with torch.no_grad():
+        model.model.layers[3].mlp.down_proj.weight.fill_(float("nan"))  # full model NaN, 2-layer draft fine
+    engine = Engine(model, max_seq_len=64)
+    mode = SpeculativeDecoding(4, draft_layers=2, k=3, threshold=0.0)
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(max_new_tokens=5, temperature=temperature, seed=0)
+        with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+            list(mode.tokens(engine, torch.tensor([3, 17, 42, 5]), params, 5))
+
+
 @pytest.mark.parametrize("temperature, reuse", [(0.0, True), (0.0, False), (1.0, True), (1.0, False)])
 def test_kv_cache_after_rejection_equals_full_depth(one_thread, temperature, reuse):
     """After a cycle that rejected a draft, the cache holds exactly what full-depth decoding holds."""

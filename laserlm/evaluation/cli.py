@@ -37,8 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the item subset (default: %(default)s)")
     p.add_argument("--window", type=int, default=512, help="perplexity window in tokens (default: %(default)s)")
     p.add_argument("--stride", type=int, default=None,
-                   help="sliding-window stride: each window scores only its last STRIDE tokens "
-                        "(default: = window, non-overlapping windows)")
+                   help="sliding-window stride: each window scores only its last STRIDE tokens, so every "
+                        "token but the text's first is scored (default: = window, non-overlapping windows, which "
+                        "without a BOS token leave each window's first token unscored)")
     p.add_argument("--agreement-windows", type=int, default=8,
                    help="WikiText-2 windows for top-1 agreement (default: %(default)s)")
     p.add_argument("--gen-tokens", type=int, default=32,

@@ -4,8 +4,10 @@ Implements lm-eval's three request types (lm-eval 0.4 ``LM`` API):
 
 - ``loglikelihood((context, continuation))`` -> ``(sum log p(continuation | context), is_greedy)``,
   tokenized like ``HFLM._encode_pair`` (:func:`~laserlm.evaluation.scoring.encode_pair`);
-- ``loglikelihood_rolling((text,))`` -> sum log p(text) over non-overlapping windows of the context
-  size, the first token conditioned on the BOS (or EOS) token, as lm-eval's rolling windows do;
+- ``loglikelihood_rolling((text,))`` -> sum log p(text), every token scored exactly once, in lm-eval's
+  rolling windows of the context size (``get_rolling_token_windows(..., context_len=1)`` +
+  ``make_disjoint_window``, :func:`~laserlm.evaluation.tasks.rolling_windows`): the first window
+  conditioned on the BOS (or EOS) token, each later one on the tokens before it;
 - ``generate_until((context, gen_kwargs))`` -> text, greedy unless ``do_sample``/``temperature`` ask
   otherwise, stopped at the ``until`` strings.
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from ..errors import LaserLMError
 from .scoring import Scorer, encode_pair
-from .tasks import text_windows
+from .tasks import rolling_windows
 
 try:  # the harness is optional; without it the class still works on request-like objects
     from lm_eval.api.model import LM as _Base
@@ -81,16 +83,20 @@ class LaserLMHarness(_Base):
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Summed log-probability of each text, every token scored once in lm-eval's rolling windows of the
+        engine's context size (see the module docstring). An empty text scores 0.0."""
         tok = self.lm.tokenizer
         prefix = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
         out = []
         for req in requests:
             text = _args(req)[0]
             ids = [prefix] + tok(text, add_special_tokens=False)["input_ids"]
-            w = self.lm.engine.max_seq_len
-            total = 0.0
-            for b, e, f in text_windows(len(ids), w, w, has_prefix=False):
-                total += self.scorer.score([ids[b:e]], [f - b])[0].logprob
+            wins = rolling_windows(len(ids) - 1, self.lm.engine.max_seq_len)
+            total, rows = 0.0, self.scorer.batch_rows
+            for i in range(0, len(wins), rows):
+                part = wins[i:i + rows]
+                total += sum(r.logprob for r in self.scorer.score([ids[b:e] for b, e, _ in part],
+                                                                   [f - b for b, _, f in part]))
             out.append(total)
         return out
 

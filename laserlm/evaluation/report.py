@@ -79,7 +79,9 @@ def _setting_line(task: str, ref: dict) -> str:
         return (f"WikiText-2 test (tokenized file as is), {ref['method']} windows of {ref['window']} tokens"
                 + (f", stride {ref['stride']}" if ref["method"] == "sliding" else "")
                 + (", each window prefixed with BOS" if ref.get("bos_prefix") else "")
-                + f"; {ref['windows']} windows, {ref['tokens_scored']} tokens scored")
+                + f"; {ref['windows']} windows, {ref['tokens_scored']}"
+                + (f" of {ref['text_tokens']}" if ref.get("text_tokens") is not None else "") + " tokens scored"
+                + (f"; unscored: {ref['unscored']}" if ref.get("unscored") else ""))
     if task == "agreement":
         return (f"top-1 agreement on {ref['positions']} WikiText-2 test positions (windows of {ref['window']}); "
                 f"greedy generations of {ref['gen_tokens']} tokens on {ref['prompts']} prompts"

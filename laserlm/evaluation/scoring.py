@@ -42,26 +42,40 @@ class SequenceScore:
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], int]:
-    """Tokenize ``context + continuation`` like lm-eval's ``HFLM._encode_pair``.
+    """Tokenize ``context + continuation`` like lm-eval's ``HFLM._encode_pair``, with the fallback of
+    lm-eval PR #4055 where a token spans the join.
 
-    Trailing spaces of the context move to the continuation; the whole string is encoded once and
-    the continuation is what follows the context's own encoding. Special tokens follow the
-    tokenizer's default (SmolLM2 adds none, Gemma adds ``<bos>``, as lm-eval does for Gemma).
+    Trailing spaces of the context move to the continuation; the whole string is encoded once and the
+    continuation is what follows the context's own encoding. When the joined encoding does not start with
+    the context's encoding (a token spans the join: SmolLM2 encodes ``"Answer"`` as one token, so
+    ``("Ans", "wer")`` would leave the continuation no token; Gemma3 encodes ``"foobar"`` as ``fo|obar``, so
+    ``("foo", "bar")`` would score ``"obar"`` given ``"fo"``), the continuation is encoded on its own
+    (without special tokens) after the context's encoding. Special tokens follow the tokenizer's default
+    (SmolLM2 adds none, Gemma adds ``<bos>``, as lm-eval does for Gemma), with a leading BOS written in the
+    text not doubled (:func:`laserlm.runtime.generate.encode_text`).
 
-    Returns ``(ids, start)``: the token ids and the index of the first continuation token.
+    Returns ``(ids, start)``: the token ids and the index of the first continuation token (``start >= 1``,
+    ``len(ids) > start``).
+
+    Raises:
+        LaserLMError: the continuation encodes to no tokens even on its own (e.g. an empty string).
     """
+    from ..runtime.generate import encode_text  # noqa: PLC0415
+
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         continuation = context[-n_spaces:] + continuation
         context = context[:-n_spaces]
-    whole = tokenizer(context + continuation)["input_ids"]
-    ctx = tokenizer(context)["input_ids"]
+    whole = encode_text(tokenizer, context + continuation)
+    ctx = encode_text(tokenizer, context)
+    if whole[:len(ctx)] != ctx or len(whole) <= len(ctx):  # a token spans the join: encode the continuation alone
+        whole = ctx + tokenizer(continuation, add_special_tokens=False)["input_ids"]
     start = len(ctx)
     if start == 0:  # empty context: condition on the BOS / EOS token, as lm-eval does
         prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         whole, start = [prefix] + whole, 1
     if start >= len(whole):
-        raise LaserLMError(f"continuation {continuation!r} encodes to no tokens after its context")
+        raise LaserLMError(f"continuation {continuation!r} encodes to no tokens")
     return whole, start
 
 

@@ -2,8 +2,10 @@
 
 - ``wikitext``: perplexity = exp(mean token NLL) over WikiText-2 test, in non-overlapping windows
   (``stride == window``) or sliding windows (Hugging Face perplexity guide: each window of ``window``
-  tokens scores only its last ``stride`` tokens, the rest is context). Also top-1 agreement with the
-  full-depth model on the scored positions.
+  tokens scores only its last ``stride`` tokens, the rest is context). Which positions are scored is
+  exact in :func:`text_windows` and in the report (``tokens_scored`` of ``text_tokens``, ``unscored``):
+  without a BOS token (SmolLM2) non-overlapping windows leave each window's first token unscored, sliding
+  windows only the text's first token. Also top-1 agreement with the full-depth model on the scored positions.
 - ``lambada``: last-word accuracy (all target tokens are the greedy prediction, lm-eval ``is_greedy``)
   and target perplexity ``exp(-mean_item(log p(target)))`` (lm-eval ``lambada_openai``).
 - ``hellaswag``, ``arc_easy``, ``piqa``: lm-eval multiple choice: ``acc`` = argmax of the summed
@@ -55,8 +57,18 @@ def stderr_of_mean(p: float, n: int) -> float:
 def text_windows(n_tokens: int, window: int, stride: int, has_prefix: bool) -> list[tuple[int, int, int]]:
     """``(begin, end, score_from)`` windows over ``n_tokens`` text tokens (Hugging Face perplexity guide).
 
-    Each window feeds tokens ``[begin, end)`` and scores ``[score_from, end)``: the tokens not scored
-    by the previous window. Without a BOS prefix the very first token has no prediction and is skipped.
+    Window ``k`` feeds the text tokens ``[begin, end)`` (``begin = k * stride``, at most ``window`` of them,
+    after the BOS prefix when ``has_prefix``) and scores the positions ``[score_from, end)``: those no earlier
+    window scored, except a window's first token when nothing precedes it in the window. Exactly:
+
+    - with a BOS prefix, every text token is scored exactly once;
+    - without one (SmolLM2), ``stride == window`` (non-overlapping windows, the guide's convention) leaves the
+      first token of **every** window unscored: ``ceil(n_tokens / window)`` positions (e.g. 1637 of 1640
+      tokens scored with ``window=512``), each window starting without context;
+    - without one and ``stride < window`` (sliding windows, the documented way to score every token), only
+      text token 0 is unscored, and every later token has at least ``window - stride`` tokens of context.
+
+    Returns an empty list when no position can be scored (no tokens, or one token without a prefix).
 
     Raises:
         InvalidArgumentError: ``window < 2`` or ``stride`` outside ``1..window``.
@@ -75,6 +87,47 @@ def text_windows(n_tokens: int, window: int, stride: int, has_prefix: bool) -> l
         if end == n_tokens:
             break
     return out
+
+
+def rolling_windows(n_tokens: int, max_len: int, context_len: int = 1) -> list[tuple[int, int, int]]:
+    """lm-eval's rolling log-likelihood windows as ``(begin, end, score_from)`` index triples into
+    ``seq = [prefix] + tokens`` (``n_tokens + 1`` entries; ``prefix`` is the BOS or EOS token).
+
+    The same windows as ``lm_eval.utils.get_rolling_token_windows(tokens, prefix, max_len, context_len)``
+    mapped through ``make_disjoint_window`` (what lm-eval's ``HFLM.loglikelihood_rolling`` scores, with
+    ``context_len=1``): feed ``seq[begin:end - 1]`` (at most ``max_len`` tokens) and score ``seq[score_from:end]``.
+    Every text token is scored exactly once; the first window is conditioned on the prefix, every later one
+    on the text tokens just before it (at least ``context_len`` of them; the last, shorter window on up to
+    ``max_len`` of them).
+
+    Raises:
+        InvalidArgumentError: ``max_len < 1`` or ``context_len`` outside ``1..max_len``.
+    """
+    if max_len < 1:
+        raise InvalidArgumentError(f"the rolling window must hold at least 1 token, got {max_len}")
+    if not 1 <= context_len <= max_len:
+        raise InvalidArgumentError(f"context_len must be between 1 and {max_len}, got {context_len}")
+    if n_tokens <= 0:
+        return []
+    first = min(max_len, n_tokens)
+    out, predicted = [(0, first + 1, 1)], first
+    pred_len = max_len - context_len + 1
+    while predicted < n_tokens:
+        end = predicted + min(n_tokens - predicted, pred_len)
+        # lm-eval feeds tokens[end - max_len - 1 : end - 1]; after make_disjoint_window its context is
+        # tokens[end - max_len - 1 : predicted] and its continuation tokens[predicted : end] (+1 for the prefix)
+        out.append((end - max_len, end + 1, predicted + 1))
+        predicted = end
+    return out
+
+
+def unscored_positions(has_prefix: bool, non_overlapping: bool) -> str:
+    """Which text positions :func:`text_windows` leaves unscored, in words (for the report)."""
+    if has_prefix:
+        return "none (each window starts with BOS)"
+    if non_overlapping:
+        return "the first token of each window (no BOS; use --stride < --window to score every later token)"
+    return "the first token of the text only (no BOS)"
 
 
 @dataclass
@@ -145,6 +198,12 @@ class Evaluator:
         window = min(self.s.window, self.lm.engine.max_seq_len - len(prefix) + 1)
         stride = self.s.stride or window
         wins = text_windows(len(ids), window, stride, bool(prefix))
+        if not wins:
+            from .data import DataFileError  # noqa: PLC0415
+
+            raise DataFileError(
+                f"wikitext: the text has {len(ids)} token(s) and this tokenizer adds no BOS, so no token can be "
+                "scored; perplexity needs at least 2 tokens")
         if max_windows is not None:
             wins = wins[:max_windows]
         return ids, prefix, window, stride, wins
@@ -175,7 +234,8 @@ class Evaluator:
                 "perplexity": math.exp(nll / n), "nll_per_token": nll / n, "tokens_scored": n,
                 "windows": len(wins), "window": window, "stride": stride,
                 "method": "non-overlapping" if stride == window else "sliding",
-                "bos_prefix": bool(prefix),
+                "bos_prefix": bool(prefix), "text_tokens": len(ids) if self.s.ppl_windows is None else wins[-1][1],
+                "unscored": unscored_positions(bool(prefix), stride == window),
                 "top1_agreement": float((all_argmax == ref_argmax).double().mean()),
                 "mean_layers": layers / n,
             }

@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError, UnsupportedArchitectureError
+from .dtypes import check_offered_dtype
 from .registry import BUNDLED
+from .tokenizer_probe import warn_on_round_trip_failure
 
 SUPPORTED_MODEL_TYPES = {
     "llama": "Llama (SmolLM2, Llama 2/3)",
@@ -334,6 +336,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     if weights is not None and weights not in ("auto", "fp32", "bf16", "int8", "int4", "native"):
         resolve_weights(weights, dtype, False)  # raises the unknown-format error before any loading
     if dtype is not None:
+        check_offered_dtype(dtype)  # float16 is refused with the CLI's message (laserlm.models.dtypes)
         parse_dtype(dtype)
     where = resolve(name, progress=progress)
     gguf_src = gguf_source_of(where)
@@ -366,6 +369,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
         )
     model.eval()
     model.requires_grad_(False)
+    warn_on_round_trip_failure(tokenizer, name, where)  # encode -> decode probe (laserlm.models.tokenizer_probe)
     report = None
     if weights in ("int8", "int4", "native"):
         from .packing import pack_model  # noqa: PLC0415

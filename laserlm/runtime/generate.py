@@ -247,11 +247,35 @@ class Generation:
         return self.result
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of plain ``text`` with the tokenizer's default special tokens (Gemma: a leading ``<bos>``),
+    except that a BOS the text already starts with is not added a second time.
+
+    A rendered chat prompt such as Gemma3's ``"<bos><start_of_turn>user\n..."`` passed as plain text would
+    otherwise begin ``[2, 2, ...]`` (transformers #37686); here it gets the ids of tokenizing the template in
+    one step (``apply_chat_template(..., tokenize=True)``, i.e. the text without added special tokens).
+    Tokenizers that add no BOS (SmolLM2) are unaffected.
+
+    Returns:
+        ``list[int]`` token ids.
+    """
+    ids = tokenizer(text)["input_ids"]
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[:2] == [bos, bos]:
+        plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if plain[:1] == [bos]:  # the BOS is in the text itself: keep that one, drop the added one
+            ids = ids[1:]
+    return ids
+
+
 def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, max_seq_len: int) -> torch.Tensor:
     """Tokenize a prompt (optionally through the chat template) -> ``[T]`` int64.
 
     Args:
-        prompt: a string, or a list of ``{"role", "content"}`` messages (implies ``chat``).
+        prompt: a string, or a list of ``{"role", "content"}`` messages (implies ``chat``). A string is
+            encoded with the tokenizer's special tokens (:func:`encode_text`: a BOS the text already starts
+            with, as in a rendered chat prompt, is not doubled); a chat prompt is rendered by the template,
+            which writes its own special tokens.
 
     Raises:
         InvalidArgumentError: empty prompt, or chat requested for a tokenizer without a chat template.
@@ -271,7 +295,7 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, max_seq_len: 
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
-        ids = tokenizer(prompt)["input_ids"]
+        ids = encode_text(tokenizer, prompt)  # a prompt that starts with the BOS text gets one BOS, not two
     if len(ids) == 0:
         raise InvalidArgumentError("the prompt encodes to zero tokens")
     if len(ids) >= max_seq_len:

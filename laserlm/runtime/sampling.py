@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NonFiniteLogitsError
 
 
 @dataclass
@@ -71,31 +71,76 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Apply temperature, top-k and top-p to ``logits [..., V]``; removed tokens get ``-inf``."""
-    logits = logits.float() / temperature
+    """Apply temperature, top-k and top-p to ``logits [..., V]`` -> float32 ``[..., V]``; removed tokens get ``-inf``.
+
+    The kept tokens' values are the logits shifted so that the row maximum is 0, then divided by the
+    temperature (a constant shift: softmax is unchanged). Shifting first means a temperature so small that
+    ``logits / temperature`` would overflow (``1e-38``, or one that rounds to 0 in float32) cannot produce
+    ``inf - inf = NaN``: the most likely token(s) stay at 0 and every other token goes to a large negative
+    value or ``-inf``, i.e. the distribution tends to the greedy one-hot (ties split evenly), which is the
+    limit of ``softmax(logits / T)`` as ``T -> 0`` (transformers issue #24111).
+
+    Top-p follows transformers' ``TopPLogitsWarper`` computation exactly (ascending sort, float32 cumulative
+    sum, drop a token while the mass up to and including it is ``<= 1 - top_p``, the top token always stays),
+    so both keep the same set even where the mass before a token rounds across ``top_p`` (vLLM #1623).
+    """
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    # 0 / T stays 0 even when T underflows to 0 in float32; the rest goes to -large or -inf, never NaN
+    logits = torch.where(shifted == 0, torch.zeros_like(shifted), shifted / temperature)
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - top_p)
+        drop_sorted[..., -1:] = False  # the most likely token always stays
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
+def check_finite(logits: torch.Tensor) -> torch.Tensor:
+    """Return ``logits [..., V]`` unchanged when they can be sampled from: no NaN, no ``+inf``, and at least
+    one finite value per row (``-inf`` alone is allowed: a model may mask tokens that way).
+
+    Raises:
+        NonFiniteLogitsError: NaN or ``+inf`` values, or a row that is all ``-inf`` (the message gives the
+            counts and the dtype). Without this check greedy decoding of NaN logits emits token 0 forever.
+    """
+    nan = torch.isnan(logits)
+    posinf = torch.isposinf(logits)
+    bad_rows = ~torch.isfinite(logits).any(dim=-1)
+    if bool(nan.any()) or bool(posinf.any()) or bool(bad_rows.any()):
+        raise NonFiniteLogitsError(
+            f"the model produced non-finite logits ({int(nan.sum())} NaN, {int(posinf.sum())} +inf of "
+            f"{logits.numel()} values, dtype {str(logits.dtype).removeprefix('torch.')}): its activations "
+            "overflowed or its weights are damaged; load it with dtype float32"
+        )
+    return logits
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution tokens are drawn from, ``[..., V]`` float32 (one-hot for greedy)."""
+    """The distribution tokens are drawn from, ``[..., V]`` float32 (one-hot for greedy).
+
+    Raises:
+        NonFiniteLogitsError: ``logits`` contain NaN or inf (:func:`check_finite`).
+    """
+    check_finite(logits)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     return torch.softmax(filter_logits(logits, params.temperature, params.top_k, params.top_p), dim=-1)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Pick next tokens from ``logits [B, V]`` -> ``[B]`` int64."""
+    """Pick next tokens from ``logits [B, V]`` -> ``[B]`` int64.
+
+    Raises:
+        NonFiniteLogitsError: ``logits`` contain NaN or inf (:func:`check_finite`).
+    """
+    check_finite(logits)
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = probabilities(logits, params)

@@ -58,7 +58,7 @@ import torch
 from ..errors import InvalidArgumentError
 from .generate import TokenEvent
 from .modes import FullDepth, ScoreOutput, register_mode
-from .sampling import SamplingParams, make_generator, probabilities
+from .sampling import SamplingParams, check_finite, make_generator, probabilities
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -253,7 +253,7 @@ class SpeculativeRun:
     def _pick(self, logits: torch.Tensor, gen) -> int:
         """A token from full-model ``logits [V]`` (greedy or filtered sampling)."""
         if self.params.greedy:
-            return int(logits.argmax())
+            return int(check_finite(logits).argmax())
         return int(torch.multinomial(probabilities(logits, self.params), 1, generator=gen))
 
     def _cycle(self, cur: int, k: int, gen) -> tuple[list[int], int, float]:
@@ -279,7 +279,7 @@ class SpeculativeRun:
             hiddens.append(h)
             if j == k:
                 break  # the last draft only needs its layer-N hidden state (for reuse)
-            logits = head(h)[0, -1].float()
+            logits = check_finite(head(h)[0, -1].float())
             if mode.threshold > 0 and float(torch.softmax(logits, dim=-1).max()) < mode.threshold:
                 break
             if params.greedy:
@@ -302,7 +302,7 @@ class SpeculativeRun:
         p_logits = engine.head(h)[0]  # [m+1, V]
         # 3. accept
         if params.greedy:
-            target = p_logits.argmax(-1).tolist()
+            target = check_finite(p_logits).argmax(-1).tolist()
             a = 0
             while a < m and drafts[a] == target[a]:
                 a += 1
