@@ -27,6 +27,12 @@ def add_parser(sub) -> None:
                     "transformers `generate` baseline on the same model and dtype, llama-bench style: pp512 "
                     "and tg128 tokens/s as mean ± std over --reps repetitions after --warmup rounds.")
     add_model_args(p)
+    for a in p._actions:  # bench measures several weight formats side by side: --weights native,int4,fp32
+        if a.dest == "weights":
+            a.choices, a.metavar = None, "W[,W...]"
+            a.help = ("weight formats to measure side by side, comma-separated, from auto, fp32, bf16, int8, int4, "
+                      "native (each loads the model once; the first also drives the transformers baseline); "
+                      "default: %(default)s")
     add_config_args(p)
     p.add_argument("--n-prompt", "-p", type=int, default=512, help="pp test prompt tokens (default: %(default)s)")
     p.add_argument("--n-gen", "-n", type=int, default=128, help="tg / generation-run tokens (default: %(default)s)")
@@ -87,10 +93,28 @@ def _validate(args) -> list[str]:
     return tests
 
 
+def _weight_list(args) -> list[str]:
+    from ..models.quant import WEIGHT_FORMATS  # noqa: PLC0415
+
+    ws = [w.strip() for w in (args.weights or "auto").split(",") if w.strip()]
+    bad = [w for w in ws if w not in WEIGHT_FORMATS]
+    if bad or not ws or len(set(ws)) != len(ws):
+        raise InvalidArgumentError(f"--weights: unknown or repeated format(s) {', '.join(bad) or args.weights!r}; "
+                                   f"choose from {', '.join(WEIGHT_FORMATS)}")
+    return ws
+
+
 def cmd_bench(args) -> int:
     tests = _validate(args)
+    weights = _weight_list(args)
     specs = global_attention_config(args, config_specs(args))
+    args.weights = weights[0]
     lm = load_from_args(args)
+    lms = [lm]
+    for w in weights[1:]:
+        args.weights = w
+        lms.append(load_from_args(args))
+    args.weights = ",".join(weights)
     import torch  # noqa: PLC0415
 
     from ..runtime.generate import encode_prompt  # noqa: PLC0415
@@ -106,8 +130,10 @@ def cmd_bench(args) -> int:
                                    "lower --n-prompt/--n-gen or raise --ctx-size")
     prompt_ids = random_prompt(eng.config.vocab_size, args.n_prompt, args.seed)
     targets = []
-    for spec in specs:
-        t = EngineTarget(lm, spec)
+    for spec, one in [(spec, one) for one in lms for spec in specs]:
+        t = EngineTarget(one, spec)
+        if len(lms) > 1:
+            t.name = f"{spec} [{one.weights}]"
         try:  # an unrunnable configuration fails here with one line, before any measurement
             t.tg(prompt_ids[:1], 2)
         except LaserLMError:
@@ -136,7 +162,7 @@ def cmd_bench(args) -> int:
     rows = [summarize(name, s, args.n_prompt, args.n_gen) for name, s in samples.items()]
     from ..evaluation.report import machine, now, write_json  # noqa: PLC0415  (formatting helpers only)
 
-    header = (f"model {args.model}, {lm.describe()}, {torch.get_num_threads()} threads, reps {args.reps} after "
+    header = (f"model {args.model}, {'; '.join(one.describe() for one in lms)}, {torch.get_num_threads()} threads, reps {args.reps} after "
               f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "
               f"generation run: {gen_ids.shape[0]}-token {'chat ' if chat else ''}prompt + {args.n_gen} greedy tokens; "
               f"{machine()}; {now()}")
@@ -146,11 +172,11 @@ def cmd_bench(args) -> int:
     for n in notes:
         print(n, file=out)
     if args.plot:
-        plot(rows, args.plot, f"{args.model} {lm.weights} weights, {torch.get_num_threads()} threads", args.n_prompt,
+        plot(rows, args.plot, f"{args.model} {args.weights} weights, {torch.get_num_threads()} threads", args.n_prompt,
              args.n_gen, args.quality_doc)
         print(f"plot written to {args.plot}", file=out)
     if args.json:
-        doc = {"command": "bench", "model": args.model, "weights": lm.weights,
+        doc = {"command": "bench", "model": args.model, "weights": [one.weights for one in lms],
                "dtype": str(lm.engine.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "n_prompt": args.n_prompt, "n_gen": args.n_gen, "reps": args.reps, "warmup": args.warmup,
                "tests": tests, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,

@@ -275,6 +275,27 @@ def gguf_source_of(where) -> Path | None:
     return src if src.is_file() else None
 
 
+def packed_cache_path(where, weights: str) -> Path | None:
+    """Where packed weights of ``where`` are cached: beside laserlm's own converted copy of a GGUF file, else
+    under ``<cache>/packed/`` keyed by the directory's path and its weight files' sizes and times; ``None`` for
+    a hub id."""
+    from .packing import PACK_FORMAT_VERSION  # noqa: PLC0415
+
+    if not isinstance(where, Path):
+        return None
+    name = f"packed-{weights}-v{PACK_FORMAT_VERSION}.safetensors"
+    if (where / "laserlm_source.json").is_file():
+        return where / name
+    stamp = [str(where.resolve())]
+    for f in sorted(where.glob("*.safetensors")) + sorted(where.glob("*.bin")):
+        st = f.stat()
+        stamp.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    key = hashlib.sha1("|".join(stamp).encode()).hexdigest()[:16]
+    d = cache_root() / "packed"
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{key}-{name}"
+
+
 def resolve_weights(weights: str | None, dtype, from_gguf: bool) -> tuple[str, torch.dtype]:
     """Pick the weight format and activation dtype from the user's ``--weights`` / ``--dtype``.
 
@@ -374,7 +395,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     if weights in ("int8", "int4", "native"):
         from .packing import pack_model  # noqa: PLC0415
 
-        report = pack_model(model, weights, gguf_path=gguf_src)
+        report = pack_model(model, weights, gguf_path=gguf_src, cache_path=packed_cache_path(where, weights))
         if torch_dtype != torch.float32:
             model.to(torch_dtype)
             if hasattr(model.model.embed_tokens, "blocks"):

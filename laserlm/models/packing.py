@@ -19,7 +19,11 @@ Sources of the packed weights:
 
 from __future__ import annotations
 
+import json
+import os
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -66,6 +70,7 @@ class PackReport:
     formats: dict = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
     nbytes: int = 0
+    cached: bool = False
 
     def add(self, module: nn.Module, note: str | None = None, name: str | None = None) -> None:
         key = quant.FORMAT_NAMES.get(getattr(module, "fmt", None), "float32")
@@ -157,17 +162,21 @@ class _GGUFSource:
         return kind, data, fmt, f"{t.tensor_type.name}: {how}"
 
 
-def pack_model(model: nn.Module, weights: str, gguf_path=None, progress=None) -> PackReport:
+PACK_FORMAT_VERSION = 1
+
+
+def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) -> PackReport:
     """Replace the decoder layers' projections, the LM head and the embedding of ``model`` in place.
 
     Args:
         model: a transformers causal LM of a supported family (float weights loaded).
         weights: ``"native"`` (needs ``gguf_path``), ``"int4"`` or ``"int8"``.
         gguf_path: the GGUF file the model was converted from.
-        progress: optional ``tqdm``-like callable wrapping the layer iterator.
+        cache_path: a ``.safetensors`` file of packed weights: read when it exists (no GGUF parsing, no
+            quantization), written after packing otherwise. A damaged file is rebuilt.
 
     Returns:
-        a :class:`PackReport`.
+        a :class:`PackReport` (``report.cached`` tells whether the cache was used).
 
     Raises:
         InvalidArgumentError: ``native`` without a GGUF source, or an unknown format.
@@ -178,54 +187,84 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, progress=None) ->
     if weights == "native" and gguf_path is None:
         raise InvalidArgumentError("--weights native keeps a GGUF file's own quantization, but this model was not "
                                    "loaded from a GGUF file; use --weights int4, int8, bf16 or fp32")
+    mods = None
+    if cache_path is not None and Path(cache_path).is_file():
+        try:
+            mods, report = _load_packed(Path(cache_path), model.config.num_hidden_layers)
+            report.cached = True
+        except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, never trusted
+            warnings.warn(f"laserlm: ignoring a damaged packed-weights cache {cache_path} ({type(exc).__name__}: "
+                          f"{exc}); packing again", RuntimeWarning, stacklevel=2)
+            mods = None
+    if mods is None:
+        mods, report = _convert(model, weights, gguf_path)
+        if cache_path is not None:
+            _save_packed(Path(cache_path), mods, report)
+    _install(model, mods)
+    return report
+
+
+def _convert(model, weights, gguf_path) -> tuple[dict, PackReport]:
     cfg = model.config
     src = _GGUFSource(gguf_path, cfg) if weights == "native" else None
     fmt = quant.Q4_1 if weights == "int4" else quant.Q8_0
     report = PackReport(weights)
-    layers = list(model.model.layers[: cfg.num_hidden_layers])
-    it = progress(layers) if progress is not None else layers
-
-    def convert(i: int, mod_name: str, linear: nn.Module) -> tuple[str, torch.Tensor, int | None, str | None]:
-        if src is None:
-            return (*_from_float(linear.weight, fmt), None)
-        name = f"blk.{i}.{GGUF_NAMES[mod_name]}.weight"
-        if not src.has(name):
-            raise UnsupportedArchitectureError(f"GGUF file has no tensor {name}; cannot use --weights native")
-        return src.get(name)
-
+    layers_out = []
     with torch.no_grad():
-        for i, layer in enumerate(it):
+        for i, layer in enumerate(model.model.layers[: cfg.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
             groups = {}
             for owner, names, fused_name in ((attn, ATTN, "qkv"), (mlp, MLP, "gate_up"), (attn, ("o_proj",), "o"),
                                              (mlp, ("down_proj",), "down")):
                 linears = [getattr(owner, n) for n in names]
-                k = linears[0].in_features
                 parts = []
                 for n, lin in zip(names, linears):
-                    kind, data, f, note = convert(i, n, lin)
+                    if src is None:
+                        parts.append(_from_float(lin.weight, fmt))
+                        continue
+                    name = f"blk.{i}.{GGUF_NAMES[n]}.weight"
+                    if not src.has(name):
+                        raise UnsupportedArchitectureError(f"GGUF file has no tensor {name}; cannot use --weights native")
+                    kind, data, f, note = src.get(name)
                     parts.append((kind, data, f))
-                    if note is not None:
-                        report.notes[note] = report.notes.get(note, 0) + 1
-                fused = _fuse(parts, k, _bias(linears))
+                    report.notes[note] = report.notes.get(note, 0) + 1
+                fused = _fuse(parts, linears[0].in_features, _bias(linears))
                 report.add(fused)
                 groups[fused_name] = fused
-                if len(names) == 1:
-                    setattr(owner, names[0], fused)
-                else:
-                    row = 0
-                    for n, lin in zip(names, linears):
-                        setattr(owner, n, RowSlice(fused, row, row + lin.out_features))
-                        row += lin.out_features
-            q_size = attn.q_proj.out_features
-            object.__setattr__(layer, "laserlm_packed", PackedLayer(
-                qkv=groups["qkv"], o=groups["o"], gate_up=groups["gate_up"], down=groups["down"],
-                q_size=q_size, kv_size=attn.k_proj.out_features, intermediate=mlp.gate_proj.out_features))
-        _pack_embedding_and_head(model, weights, fmt, src, report)
-    return report
+            layers_out.append(groups)
+        embed, head = _convert_embedding_and_head(model, fmt, src, report)
+    return {"layers": layers_out, "embed": embed, "head": head}, report
 
 
-def _pack_embedding_and_head(model, weights, fmt, src, report) -> None:
+def _install(model, mods: dict) -> None:
+    """Put packed modules into ``model``: fused matrices as ``layer.laserlm_packed``, RowSlice views for the
+    transformers projections, the embedding and the head."""
+    for layer, groups in zip(model.model.layers, mods["layers"]):
+        attn, mlp = layer.self_attn, layer.mlp
+        for owner, names, fused_name in ((attn, ATTN, "qkv"), (mlp, MLP, "gate_up"), (attn, ("o_proj",), "o"),
+                                         (mlp, ("down_proj",), "down")):
+            fused = groups[fused_name]
+            if len(names) == 1:
+                setattr(owner, names[0], fused)
+                continue
+            sizes = [getattr(owner, n).out_features for n in names]
+            row = 0
+            for n, size in zip(names, sizes):
+                setattr(owner, n, RowSlice(fused, row, row + size))
+                row += size
+        object.__setattr__(layer, "laserlm_packed", PackedLayer(
+            qkv=groups["qkv"], o=groups["o"], gate_up=groups["gate_up"], down=groups["down"],
+            q_size=attn.q_proj.out_features, kv_size=attn.k_proj.out_features,
+            intermediate=mlp.gate_proj.out_features))
+    if mods["embed"] is not None:
+        model.model.embed_tokens = mods["embed"]
+    model.lm_head = mods["head"]
+    # transformers re-ties lm_head to the embedding on some calls; the packed head is its own module now
+    if hasattr(model.config, "tie_word_embeddings"):
+        model.config.tie_word_embeddings = False
+
+
+def _convert_embedding_and_head(model, fmt, src, report):
     emb = model.model.embed_tokens
     head = model.lm_head
     tied = head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr()
@@ -234,25 +273,23 @@ def _pack_embedding_and_head(model, weights, fmt, src, report) -> None:
     scale = float(scale) if scale is not None else None
     dtype = emb.weight.dtype
     head_bias = getattr(head, "bias", None)
+    emb_mod = None
     if src is not None:
         kind, data, f, how = src.get("token_embd.weight")
         report.notes[how] = report.notes.get(how, 0) + 1
-        if kind != "blocks":
-            emb_mod, emb_blocks = None, None
-        else:
-            emb_blocks, emb_fmt = data, f
+        if kind == "blocks":
             emb_mod = QuantEmbedding(data, f, d, scale, dtype)
         if src.has("output.weight") and not tied:
             kind_h, data_h, f_h, how_h = src.get("output.weight")
             report.notes[how_h] = report.notes.get(how_h, 0) + 1
             head_mod = _fuse([(kind_h, data_h, f_h)], d, head_bias)
-        elif emb_blocks is not None:
-            head_mod = QuantLinear(emb_blocks, emb_fmt, d, head_bias)
+        elif emb_mod is not None:
+            head_mod = QuantLinear(emb_mod.blocks, emb_mod.fmt, d, head_bias)
         else:
             head_mod = DenseLinear(data, head_bias)
     else:
-        emb_mod = QuantEmbedding(quant.quantize_q8_0(emb.weight), quant.Q8_0, d, scale, dtype) \
-            if d % quant.QK == 0 else None
+        if d % quant.QK == 0:
+            emb_mod = QuantEmbedding(quant.quantize_q8_0(emb.weight), quant.Q8_0, d, scale, dtype)
         kind, data, f = _from_float(head.weight, fmt)
         if tied and f == quant.Q8_0 and emb_mod is not None:
             head_mod = QuantLinear(emb_mod.blocks, quant.Q8_0, d, head_bias)
@@ -260,11 +297,86 @@ def _pack_embedding_and_head(model, weights, fmt, src, report) -> None:
             head_mod = _fuse([(kind, data, f)], d, head_bias)
     if emb_mod is not None:
         report.add(emb_mod)
-        model.model.embed_tokens = emb_mod
-    if not (tied and isinstance(head_mod, QuantLinear) and emb_mod is not None
-            and head_mod.blocks.data_ptr() == emb_mod.blocks.data_ptr()):
+    if not (isinstance(head_mod, QuantLinear) and emb_mod is not None and head_mod.blocks is emb_mod.blocks):
         report.add(head_mod)
-    model.lm_head = head_mod
-    # transformers re-ties lm_head to the embedding on some calls; the packed head is its own module now
-    if hasattr(model.config, "tie_word_embeddings"):
-        model.config.tie_word_embeddings = False
+    return emb_mod, head_mod
+
+
+# -- the packed-weights cache (one safetensors file; module structure in its metadata) -----------------
+def _record(mod, key: str, tensors: dict, shared: dict) -> dict:
+    if isinstance(mod, QuantLinear) or isinstance(mod, QuantEmbedding):
+        ptr = mod.blocks.data_ptr()
+        if ptr in shared:
+            name = shared[ptr]
+        else:
+            name = shared[ptr] = f"{key}.blocks"
+            tensors[name] = mod.blocks
+        rec = {"t": "q" if isinstance(mod, QuantLinear) else "e", "blocks": name, "fmt": mod.fmt}
+        if isinstance(mod, QuantLinear):
+            rec["in"] = mod.in_features
+            if mod.bias is not None:
+                tensors[f"{key}.bias"] = mod.bias.data
+                rec["bias"] = f"{key}.bias"
+        else:
+            rec.update(dim=mod.embedding_dim, scale=mod.scale, dtype=str(mod.dtype).replace("torch.", ""))
+        return rec
+    if isinstance(mod, DenseLinear):
+        tensors[f"{key}.weight"] = mod.weight.data
+        rec = {"t": "d", "weight": f"{key}.weight"}
+        if mod.bias is not None:
+            tensors[f"{key}.bias"] = mod.bias.data
+            rec["bias"] = f"{key}.bias"
+        return rec
+    if isinstance(mod, _Concat):
+        return {"t": "c", "parts": [_record(p, f"{key}.{j}", tensors, shared) for j, p in enumerate(mod.parts)]}
+    raise TypeError(f"cannot cache module {type(mod).__name__}")
+
+
+def _rebuild(rec: dict, tensors: dict):
+    t = rec["t"]
+    bias = tensors[rec["bias"]] if "bias" in rec else None
+    if t == "q":
+        return QuantLinear(tensors[rec["blocks"]], rec["fmt"], rec["in"], bias)
+    if t == "e":
+        return QuantEmbedding(tensors[rec["blocks"]], rec["fmt"], rec["dim"], rec["scale"], getattr(torch, rec["dtype"]))
+    if t == "d":
+        return DenseLinear(tensors[rec["weight"]], bias)
+    if t == "c":
+        return _Concat([_rebuild(r, tensors) for r in rec["parts"]])
+    raise ValueError(f"unknown record type {t!r}")
+
+
+def _save_packed(path: Path, mods: dict, report: PackReport) -> None:
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    tensors, shared = {}, {}
+    meta = {"version": PACK_FORMAT_VERSION,
+            "layers": [{k: _record(m, f"layers.{i}.{k}", tensors, shared) for k, m in g.items()}
+                       for i, g in enumerate(mods["layers"])],
+            "embed": _record(mods["embed"], "embed", tensors, shared) if mods["embed"] is not None else None,
+            "head": _record(mods["head"], "head", tensors, shared),
+            "report": {"weights": report.weights, "formats": report.formats, "notes": report.notes,
+                       "nbytes": report.nbytes}}
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"laserlm": json.dumps(meta)})
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache is not an error: the next load packs again
+        warnings.warn(f"laserlm: cannot write the packed-weights cache {path}: {exc}", RuntimeWarning, stacklevel=3)
+        tmp.unlink(missing_ok=True)
+
+
+def _load_packed(path: Path, num_layers: int) -> tuple[dict, PackReport]:
+    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads(f.metadata()["laserlm"])
+    if meta.get("version") != PACK_FORMAT_VERSION or len(meta["layers"]) != num_layers:
+        raise ValueError("made by another laserlm version or for another model")
+    tensors = load_file(str(path))
+    mods = {"layers": [{k: _rebuild(r, tensors) for k, r in g.items()} for g in meta["layers"]],
+            "embed": _rebuild(meta["embed"], tensors) if meta["embed"] is not None else None,
+            "head": _rebuild(meta["head"], tensors)}
+    r = meta["report"]
+    return mods, PackReport(r["weights"], r["formats"], r["notes"], r["nbytes"])
