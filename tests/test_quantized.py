@@ -62,6 +62,7 @@ def test_smollm2_tensors_match_gguf_dequantize(name):
     n, k = raw.shape[0], int(t.shape[0])
     kind, blocks, fmt, how = quant.from_gguf(raw, int(t.tensor_type), n, k)
     assert kind == "blocks" and how == "exact"
+    blocks = quant.padded(blocks)
     ref = dequantize(raw, t.tensor_type).astype(np.float32).reshape(n, k)
     assert np.array_equal(quant.dequantize(blocks, fmt, k).numpy(), ref)
     assert np.array_equal(quant.dequantize_reference(blocks, fmt, k).numpy(), ref)
@@ -77,6 +78,8 @@ def test_q4_0_blocks_match_gguf():
     raw = quantize(w, T.Q4_0)
     kind, blocks, fmt, _ = quant.from_gguf(raw, int(T.Q4_0), 96, 128)
     ref = dequantize(raw, T.Q4_0).astype(np.float32)
+    assert fmt == quant.Q4_1
+    blocks = quant.padded(blocks)
     assert np.array_equal(quant.dequantize(blocks, fmt, 128).numpy(), ref)
     _check_matmul(blocks, fmt, ref.astype(np.float64))
 
@@ -88,12 +91,11 @@ def test_int4_int8_quantizers_match_gguf_reference():
 
     w = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
     for ours, qt in ((quant.quantize_q4_1, T.Q4_1), (quant.quantize_q8_0, T.Q8_0)):
-        theirs = quantize(w, qt).reshape(64, -1)
-        mine = ours(torch.from_numpy(w)).numpy()
-        # identical up to ties in rounding (a handful of weights exactly half-way): compare dequantized values
         fmt = quant.Q4_1 if qt == T.Q4_1 else quant.Q8_0
-        a, b = quant.dequantize_reference(torch.from_numpy(mine), fmt, 96), quant.dequantize_reference(
-            torch.from_numpy(theirs.copy()), fmt, 96)
+        theirs = quant.to_soa(torch.from_numpy(quantize(w, qt).reshape(64, -1).copy()), fmt)[0]
+        mine = ours(torch.from_numpy(w))
+        # identical up to ties in rounding (a handful of weights exactly half-way): compare dequantized values
+        a, b = quant.dequantize_reference(mine, fmt, 96), quant.dequantize_reference(theirs, fmt, 96)
         assert (a != b).float().mean() < 1e-3
 
 
@@ -112,6 +114,7 @@ def test_gemma3_tensor_types_match_gguf_dequantize():
         n, k = raw.shape[0], int(t.shape[0])
         kind, blocks, fmt, how = quant.from_gguf(raw, int(t.tensor_type), n, k)
         ref = dequantize(raw, t.tensor_type).astype(np.float64).reshape(n, k)
+        blocks = quant.padded(blocks)
         got = quant.dequantize(blocks, fmt, k).double().numpy()
         blockmax = np.abs(ref.reshape(n, k // 32, 32)).max(-1, keepdims=True)
         err = np.abs(got - ref).reshape(n, k // 32, 32)

@@ -162,7 +162,7 @@ class _GGUFSource:
         return kind, data, fmt, f"{t.tensor_type.name}: {how}"
 
 
-PACK_FORMAT_VERSION = 1
+PACK_FORMAT_VERSION = 2
 
 
 def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) -> PackReport:
@@ -374,7 +374,7 @@ def _load_packed(path: Path, num_layers: int) -> tuple[dict, PackReport]:
         meta = json.loads(f.metadata()["laserlm"])
     if meta.get("version") != PACK_FORMAT_VERSION or len(meta["layers"]) != num_layers:
         raise ValueError("made by another laserlm version or for another model")
-    tensors = load_file(str(path))
+    tensors = {k: quant.padded(v) if k.endswith(".blocks") else v for k, v in load_file(str(path)).items()}
     mods = {"layers": [{k: _rebuild(r, tensors) for k, r in g.items()} for g in meta["layers"]],
             "embed": _rebuild(meta["embed"], tensors) if meta["embed"] is not None else None,
             "head": _rebuild(meta["head"], tensors)}

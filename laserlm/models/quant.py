@@ -1,19 +1,23 @@
 """Weight formats: block-quantized linear layers and embeddings that run on laserlm's CPU kernels.
 
-A quantized matrix ``W [N, K]`` is stored as GGML blocks of 32 weights along K, one row after another,
-byte for byte as a GGUF file stores them (so a GGUF tensor of these types is used without conversion):
+A quantized matrix ``W [N, K]`` is stored in blocks of 32 weights along K, in two formats with the sizes
+and semantics of GGUF's (so GGUF tensors of these types are used without re-quantization):
 
-========  ======  =====================================  =========================
-format    bytes   block                                  weight
-========  ======  =====================================  =========================
-``Q4_0``  18      fp16 ``d``, 16 bytes of nibbles        ``d * (q - 8)``
-``Q4_1``  20      fp16 ``d``, fp16 ``m``, 16 nibbles     ``d * q + m``
-``Q8_0``  34      fp16 ``d``, 32 int8                    ``d * q``
-========  ======  =====================================  =========================
+========  ======  =========================  ==================================================
+format    bytes   weight                     one row in memory ("structure of arrays")
+========  ======  =========================  ==================================================
+``Q4_1``  20      ``d * q + m``, q in 0..15   ``nb x 16`` bytes of nibbles, ``nb`` fp16 ``d``, ``nb`` fp16 ``m``
+``Q8_0``  34      ``d * q``, q int8           ``nb x 32`` int8, ``nb`` fp16 ``d``
+========  ======  =========================  ==================================================
+
+(``nb = K / 32``; nibble byte j of a block holds weight j in its low and weight j + 16 in its high bits, as
+GGUF stores them.) Keeping the scales of a row together lets the kernel convert and scale eight blocks at
+a time; :func:`to_soa` rearranges GGUF's interleaved blocks (and turns Q4_0 into Q4_1 with ``m = -8 d``,
+exactly).
 
 How each GGUF tensor type is taken by ``--weights native`` (see :func:`from_gguf`):
 
-- ``Q4_0``, ``Q4_1``, ``Q8_0``: used as stored (exact).
+- ``Q4_0`` (as Q4_1), ``Q4_1``, ``Q8_0``: the stored values (exact).
 - ``Q5_0``: re-packed into ``Q8_0`` blocks with the same scale (exact: its values are ``d * (q - 16)``,
   ``q - 16`` in ``[-16, 15]``).
 - ``Q4_K``: each 32-weight sub-block becomes a ``Q4_1`` block with ``d = d_super * sc`` and
@@ -43,8 +47,40 @@ from . import kernels
 
 QK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+GGUF_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # storage formats of laserlm (Q4_0 is stored as Q4_1)
 FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+_SPARE = 16  # bytes after the last row: the kernel loads eight fp16 scales at a time
+
+
+def _is_padded(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.untyped_storage().nbytes() - t.storage_offset() >= t.numel() + _SPARE
+
+
+def padded(blocks: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``blocks [N, row_bytes]`` whose storage has 16 spare bytes after the end (what
+    the kernels require; :class:`QuantLinear` and :class:`QuantEmbedding` call it)."""
+    n, rb = blocks.shape
+    flat = torch.zeros(n * rb + _SPARE, dtype=torch.uint8)
+    flat[: n * rb].copy_(blocks.reshape(-1))
+    return flat[: n * rb].view(n, rb)
+
+
+def to_soa(aos: torch.Tensor, fmt: int) -> tuple[torch.Tensor, int]:
+    """GGUF's interleaved blocks ``uint8 [N, nb * block_bytes]`` -> laserlm's row layout; returns
+    ``(blocks, storage_fmt)`` (Q4_0 becomes Q4_1 with ``m = -8 d``, exact in fp16)."""
+    n = aos.shape[0]
+    b = aos.reshape(n, -1, GGUF_BLOCK_BYTES[fmt])
+    nb = b.shape[1]
+    d = b[..., 0:2].reshape(n, nb * 2)
+    if fmt == Q8_0:
+        return torch.cat([b[..., 2:].reshape(n, nb * 32), d], dim=1).contiguous(), Q8_0
+    if fmt == Q4_1:
+        return torch.cat([b[..., 4:].reshape(n, nb * 16), d, b[..., 2:4].reshape(n, nb * 2)], dim=1).contiguous(), Q4_1
+    if fmt == Q4_0:
+        m = (-8 * d.contiguous().view(torch.float16)).view(torch.uint8)
+        return torch.cat([b[..., 2:].reshape(n, nb * 16), d, m], dim=1).contiguous(), Q4_1
+    raise InvalidArgumentError(f"no block layout for GGML type {fmt}")
 # inputs with more rows than this are multiplied by a float32 copy of the matrix (BLAS GEMM)
 KERNEL_MAX_ROWS = 16
 
@@ -63,7 +99,7 @@ def _check_k(w: torch.Tensor) -> tuple[int, int]:
 
 
 def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest affine 4-bit, group 32: ``w [N, K]`` float -> ``uint8 [N, K/32*20]`` Q4_1 blocks.
+    """Round-to-nearest affine 4-bit, group 32: ``w [N, K]`` float -> ``uint8 [N, K/32*20]`` Q4_1 rows.
 
     Same rule as ``gguf.quants.Q4_1.quantize_blocks`` (``d = (max - min) / 15``, ``m = min``)."""
     n, k = _check_k(w)
@@ -75,7 +111,7 @@ def quantize_q4_1(w: torch.Tensor) -> torch.Tensor:
     qs = q[..., :16] | (q[..., 16:] << 4)
     dh = d.to(torch.float16).view(torch.uint8).reshape(n, k // QK, 2)
     mh = lo.to(torch.float16).view(torch.uint8).reshape(n, k // QK, 2)
-    return torch.cat([dh, mh, qs], dim=-1).reshape(n, -1).contiguous()
+    return to_soa(torch.cat([dh, mh, qs], dim=-1).reshape(n, -1), Q4_1)[0]
 
 
 def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
@@ -87,29 +123,28 @@ def quantize_q8_0(w: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
     q = torch.round(b * inv).clamp(-127, 127).to(torch.int8).view(torch.uint8)
     dh = d.to(torch.float16).view(torch.uint8).reshape(n, k // QK, 2)
-    return torch.cat([dh, q], dim=-1).reshape(n, -1).contiguous()
+    return to_soa(torch.cat([dh, q], dim=-1).reshape(n, -1), Q8_0)[0]
 
 
 def dequantize_reference(blocks: torch.Tensor, fmt: int, k: int) -> torch.Tensor:
-    """PyTorch dequantization: ``uint8 [N, K/32*bytes]`` -> float32 ``[N, K]`` (the kernels' fallback)."""
-    n = blocks.shape[0]
-    b = blocks.reshape(n, k // QK, BLOCK_BYTES[fmt])
-    d = b[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    """PyTorch dequantization of laserlm rows ``uint8 [N, K/32*bytes]`` -> float32 ``[N, K]`` (the kernels'
+    fallback and an independent check of them)."""
+    n, nb = blocks.shape[0], k // QK
+    qb = 32 if fmt == Q8_0 else 16
+    qs = blocks[:, : nb * qb].reshape(n, nb, qb)
+    d = blocks[:, nb * qb: nb * qb + nb * 2].contiguous().view(torch.float16).float().unsqueeze(-1)  # [N, nb, 1]
     if fmt == Q8_0:
-        q = b[..., 2:].contiguous().view(torch.int8).float()
-        return (d * q).reshape(n, k)
-    qs = b[..., 4:] if fmt == Q4_1 else b[..., 2:]
+        return (d * qs.contiguous().view(torch.int8).float()).reshape(n, k)
+    m = blocks[:, nb * qb + nb * 2:].contiguous().view(torch.float16).float().unsqueeze(-1)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()
-    if fmt == Q4_1:
-        m = b[..., 2:4].contiguous().view(torch.float16).float()
-        return (d * q + m).reshape(n, k)
-    return (d * (q - 8)).reshape(n, k)
+    return (d * q + m).reshape(n, k)
 
 
 def dequantize(blocks: torch.Tensor, fmt: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[N, K]`` (or ``[len(rows), K]``) from blocks, with the compiled kernel when available."""
     ops = kernels.ops()
     if ops is not None:
+        blocks = blocks if _is_padded(blocks) else padded(blocks)
         idx = rows if rows is not None else torch.empty(0, dtype=torch.long)
         return ops.dequantize(blocks, fmt, k, idx)
     sub = blocks if rows is None else blocks[rows]
@@ -120,7 +155,7 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int) -> torch.Ten
     """``x [M, K]`` float32 @ ``W.T`` -> ``[M, N]`` float32, W given as blocks."""
     ops = kernels.ops()
     if ops is not None and x.shape[0] <= KERNEL_MAX_ROWS:
-        return ops.qmatmul(x, blocks, fmt, k)
+        return ops.qmatmul(x, blocks if _is_padded(blocks) else padded(blocks), fmt, k)
     return x @ dequantize(blocks, fmt, k).T
 
 
@@ -145,7 +180,7 @@ class QuantLinear(nn.Module):
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != in_features // QK * BLOCK_BYTES[fmt]:
             raise InvalidArgumentError(f"{FORMAT_NAMES[fmt]} blocks of shape {tuple(blocks.shape)} do not hold "
                                        f"rows of {in_features} weights")
-        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("blocks", blocks if _is_padded(blocks) else padded(blocks))
         self.fmt = fmt
         self.in_features = in_features
         self.out_features = blocks.shape[0]
@@ -216,7 +251,7 @@ class QuantEmbedding(nn.Module):
     def __init__(self, blocks: torch.Tensor, fmt: int, dim: int, scale: float | None = None,
                  dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.register_buffer("blocks", blocks.contiguous())
+        self.register_buffer("blocks", blocks if _is_padded(blocks) else padded(blocks))
         self.fmt, self.embedding_dim, self.num_embeddings = fmt, dim, blocks.shape[0]
         self.scale = scale
         self.dtype = dtype
@@ -306,12 +341,14 @@ def from_gguf(raw: np.ndarray, ggml_type: int, n: int, k: int) -> tuple[str, tor
     if k % QK:
         raise UnsupportedArchitectureError(f"GGUF tensor of type {t.name} with rows of {k} (not a multiple of 32)")
     if t in (T.Q4_0, T.Q4_1, T.Q8_0):
-        return "blocks", torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1).copy()), int(t), "exact"
+        blocks, fmt = to_soa(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), int(t))
+        return "blocks", blocks, fmt, "exact" if t != T.Q4_0 else "exact (Q4_0 as Q4_1, m = -8 d)"
     if t == T.Q5_0:
-        return "blocks", torch.from_numpy(_q5_0_to_q8_0(np.ascontiguousarray(raw), n, k)), Q8_0, "exact (Q5_0 as Q8_0)"
+        blocks, _ = to_soa(torch.from_numpy(_q5_0_to_q8_0(np.ascontiguousarray(raw), n, k)), Q8_0)
+        return "blocks", blocks, Q8_0, "exact (Q5_0 as Q8_0)"
     if t == T.Q4_K:
-        return ("blocks", torch.from_numpy(_q4_k_to_q4_1(np.ascontiguousarray(raw), n, k)), Q4_1,
-                "Q4_K sub-blocks as Q4_1 (scales rounded to fp16)")
+        blocks, _ = to_soa(torch.from_numpy(_q4_k_to_q4_1(np.ascontiguousarray(raw), n, k)), Q4_1)
+        return "blocks", blocks, Q4_1, "Q4_K sub-blocks as Q4_1 (scales rounded to fp16)"
     if t in (T.Q5_1, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q8_1):
         w = torch.from_numpy(np.asarray(gguf_dequantize(raw, t), dtype=np.float32).reshape(n, k).copy())
         return "blocks", quantize_q8_0(w), Q8_0, f"{t.name} re-quantized to Q8_0"

@@ -1,20 +1,23 @@
-// laserlm's block-quantized matrix kernels (CPU): y = x @ W.T with W stored in GGML block formats.
+// laserlm's block-quantized matrix kernels (CPU): y = x @ W.T with W stored in blocks of 32 weights.
 //
-// Formats (one row of W = K/32 consecutive blocks of 32 weights, exactly as GGUF stores them):
-//   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles;            w = d * (q - 8)
-//   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of nibbles;    w = d * q + m
-//   Q8_0  34 bytes: fp16 d, 32 int8;                        w = d * q
-// Nibble byte j of a block holds weight j (low 4 bits) and weight j + 16 (high 4 bits).
+// In-memory layout of one row of W (K/32 = nb blocks), "structure of arrays" so that scales are converted
+// and multiplied eight blocks at a time:
+//   Q4_1  [nb x 16 bytes of nibbles][nb x fp16 d][nb x fp16 m]     w = d * q + m,  q in 0..15
+//   Q8_0  [nb x 32 int8][nb x fp16 d]                              w = d * q
+// (20 / 34 bytes per block, the sizes of GGUF's Q4_1 / Q8_0; GGUF Q4_0 becomes Q4_1 with m = -8 d, exactly).
+// Nibble byte j of a block holds weight j (low 4 bits) and weight j + 16 (high 4 bits), as in GGUF.
+// Every weight tensor is allocated with 16 spare bytes at its end (8-wide loads of the last row's scales).
 //
 // Activations are quantized per 32-block to int16 on the fly (the scheme of llama.cpp's Q8_0 / Q8_1
-// activation blocks, with 16-bit values), then each block dot product is an integer multiply-add
+// activation blocks with 16-bit values), then each block dot product is an integer multiply-add
 // (AVX2 madd_epi16) scaled in float, the structure of ggml_vec_dot_q4_1_q8_1 / _q8_0_q8_0:
-//   Q4_1: sum_b d_w d_x sum(q_w q_x) + m_w sum(x)
+//   Q4_1: sum_b d_w d_x sum(q_w q_x) + sum_b m_w sum(x)
 //   Q8_0: sum_b d_w d_x sum(q_w q_x)
 // Each weight block is read once per call for all T rows of x (T = 1..16: decode and verification).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -23,16 +26,16 @@
 namespace {
 
 constexpr int QK = 32;
-enum Fmt : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  // GGML type ids
+enum Fmt : int64_t { Q4_1 = 3, Q8_0 = 8 };  // GGML type ids of the semantics
 
 inline int block_bytes(int64_t fmt) {
   switch (fmt) {
-    case Q4_0: return 18;
     case Q4_1: return 20;
     case Q8_0: return 34;
   }
   TORCH_CHECK(false, "laserlm kernels: unsupported block format ", fmt);
 }
+inline int quant_bytes(int64_t fmt) { return fmt == Q8_0 ? 32 : 16; }
 
 inline float fp16_to_fp32(uint16_t h) {
 #if defined(__F16C__)
@@ -42,13 +45,18 @@ inline float fp16_to_fp32(uint16_t h) {
 #endif
 }
 
-// ---- activation quantization: x [T, K] -> int16 [T, K], d [T, K/32], s = sum(x) [T, K/32] ---------------
-// int16 per 32-block (d = max|x_b| / 32767): the rounding error is 1/256 of llama.cpp's int8 activations,
-// which matters on small models whose hidden states have large outlier channels.
+inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
+
+// ---- activation quantization: x [T, K] -> int16 [T, K], d [T, nbs], s = sum(x) [T, nbs] (nbs = round8(nb),
+// padding lanes zero). int16 per 32-block (d = max|x_b| / 32767): the rounding error is 1/256 of llama.cpp's
+// int8 activations, which matters on small models whose hidden states have large outlier channels.
 void quantize_rows_q16(const float* x, int64_t T, int64_t K, int16_t* q, float* d, float* s) {
-  const int64_t nb = K / QK;
+  const int64_t nb = K / QK, nbs = round8(nb);
+  std::fill(d, d + T * nbs, 0.f);
+  std::fill(s, s + T * nbs, 0.f);
   at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
+      const int64_t t = i / nb, b = i % nb;
       const float* xb = x + i * QK;
       float amax = 0.f, sum = 0.f;
       for (int j = 0; j < QK; ++j) {
@@ -58,105 +66,110 @@ void quantize_rows_q16(const float* x, int64_t T, int64_t K, int16_t* q, float* 
       const float dd = amax / 32767.f;
       const float id = dd != 0.f ? 1.f / dd : 0.f;
       for (int j = 0; j < QK; ++j) q[i * QK + j] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
-      d[i] = dd;
-      s[i] = sum;
+      d[t * nbs + b] = dd;
+      s[t * nbs + b] = sum;
     }
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 inline float hsum(__m256 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
   r = _mm_add_ss(r, _mm_movehdup_ps(r));
   return _mm_cvtss_f32(r);
 }
-#endif
 
-// dot products of one weight row (nb blocks) with TN int16 activation rows: out[t * ostride]
-//   Q4_1 / Q4_0: sum_b d_w d_x sum(q_w q_x) + m_w sum(x)    (Q4_0: q in 0..15 and m_w = -8 d_w)
-//   Q8_0:        sum_b d_w d_x sum(q_w q_x)
-// Each weight block is loaded and widened to int16 once for all TN rows (TN is a compile-time 1..4, so the
-// accumulators stay in registers); products are int16 x int16 -> int32 (_mm256_madd_epi16, no overflow:
-// |q_w| <= 127, |q_x| <= 32767, four products per lane).
-#if defined(__AVX2__) && defined(__FMA__)
+// weights of block b widened to int16: w0 = weights 0..15, w1 = 16..31
+template <int FMT>
+inline void load_block(const uint8_t* qs, int64_t b, __m256i& w0, __m256i& w1) {
+  if (FMT == Q8_0) {
+    const uint8_t* p = qs + b * 32;
+    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  } else {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
+    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
+    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
+  }
+}
+
+// dot products of one weight row with TN int16 activation rows (TN compile-time 1..4: accumulators stay in
+// registers); each weight block is loaded and widened once for all TN rows. Scales of eight blocks are
+// converted (fp16 -> fp32) and multiplied by the activation scales in one vector op each; the block's
+// lane is then broadcast with a permute. int16 x int16 -> int32 products (_mm256_madd_epi16) cannot
+// overflow: |q_w| <= 127, |q_x| <= 32767, four products per lane.
 template <int FMT, int TN>
-inline void dot_rows(const uint8_t* w, const int16_t* xq, const float* xd, const float* xs, int64_t nb, int64_t K,
+inline void dot_rows(const uint8_t* row, const int16_t* xq, const float* xd, const float* xs, int64_t nb, int64_t K,
                      float* out, int64_t ostride) {
-  constexpr int BS = FMT == Q4_0 ? 18 : (FMT == Q4_1 ? 20 : 34);
-  __m256 acc[TN];
-  float extra[TN];
+  const int64_t nbs = round8(nb);
+  const uint8_t* qs = row;
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * quant_bytes(FMT));
+  const uint16_t* mh = dh + nb;
+  __m256 acc[1][TN], macc[TN];
 #pragma GCC unroll 4
-  for (int i = 0; i < TN; ++i) { acc[i] = _mm256_setzero_ps(); extra[i] = 0.f; }
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b, w += BS) {
-    uint16_t dh;
-    std::memcpy(&dh, w, 2);
-    const float dw = fp16_to_fp32(dh);
-    __m256i w0, w1;
-    float mw = 0.f;
-    if (FMT == Q8_0) {
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 18)));
-    } else {
-      const uint8_t* qs = w + (FMT == Q4_1 ? 4 : 2);
-      if (FMT == Q4_1) {
-        uint16_t mh;
-        std::memcpy(&mh, w + 2, 2);
-        mw = fp16_to_fp32(mh);
-      } else {
-        mw = -8.f * dw;
-      }
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));                     // weights 0..15
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));  // weights 16..31
+  for (int i = 0; i < TN; ++i) acc[0][i] = macc[i] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int cnt = static_cast<int>(std::min<int64_t>(8, nb - b0));
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
+                                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256 dv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b0))), keep);
+    __m256 sv[TN];
+#pragma GCC unroll 4
+    for (int i = 0; i < TN; ++i) sv[i] = _mm256_mul_ps(dv, _mm256_loadu_ps(xd + i * nbs + b0));
+    if (FMT == Q4_1) {
+      const __m256 mv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + b0))), keep);
+#pragma GCC unroll 4
+      for (int i = 0; i < TN; ++i) macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nbs + b0), macc[i]);
     }
+    auto step = [&](const int j) __attribute__((always_inline)) {
+      __m256i w0, w1;
+      load_block<FMT>(qs, b0 + j, w0, w1);
+      const __m256i lane = _mm256_set1_epi32(j);
 #pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) {
-      const int16_t* xb = xq + i * K + b * QK;
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
-      const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xd[i * nb + b]), _mm256_cvtepi32_ps(p), acc[i]);
-      if (FMT != Q8_0) extra[i] += mw * xs[i * nb + b];
+      for (int i = 0; i < TN; ++i) {
+        const int16_t* xb = xq + i * K + (b0 + j) * QK;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+        acc[0][i] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sv[i], lane), _mm256_cvtepi32_ps(p), acc[0][i]);
+      }
+    };
+    if (cnt == 8) {
+      step(0); step(1); step(2); step(3); step(4); step(5); step(6); step(7);
+    } else {
+      for (int j = 0; j < cnt; ++j) step(j);
     }
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < TN; ++i) out[i * ostride] = hsum(acc[i]) + extra[i];
+  for (int i = 0; i < TN; ++i) out[i * ostride] = hsum(_mm256_add_ps(acc[0][i], macc[i]));
 }
 #else
 template <int FMT, int TN>
-inline void dot_rows(const uint8_t* w, const int16_t* xq, const float* xd, const float* xs, int64_t nb, int64_t K,
+inline void dot_rows(const uint8_t* row, const int16_t* xq, const float* xd, const float* xs, int64_t nb, int64_t K,
                      float* out, int64_t ostride) {
-  constexpr int BS = FMT == Q4_0 ? 18 : (FMT == Q4_1 ? 20 : 34);
+  const int64_t nbs = round8(nb);
+  const uint8_t* qs = row;
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * quant_bytes(FMT));
+  const uint16_t* mh = dh + nb;
   for (int t = 0; t < TN; ++t) {
     float total = 0.f;
-    const uint8_t* wb = w;
-    for (int64_t b = 0; b < nb; ++b, wb += BS) {
-      uint16_t dh;
-      std::memcpy(&dh, wb, 2);
-      const float dw = fp16_to_fp32(dh);
+    for (int64_t b = 0; b < nb; ++b) {
       const int16_t* qx = xq + t * K + b * QK;
       int64_t isum = 0;
-      float mw = 0.f;
       if (FMT == Q8_0) {
-        const int8_t* qw = reinterpret_cast<const int8_t*>(wb + 2);
+        const int8_t* qw = reinterpret_cast<const int8_t*>(qs + b * 32);
         for (int j = 0; j < QK; ++j) isum += qw[j] * qx[j];
       } else {
-        const uint8_t* qs = wb + (FMT == Q4_1 ? 4 : 2);
+        const uint8_t* q = qs + b * 16;
         for (int j = 0; j < 16; ++j) {
-          isum += (qs[j] & 0x0F) * qx[j];
-          isum += (qs[j] >> 4) * qx[j + 16];
+          isum += (q[j] & 0x0F) * qx[j];
+          isum += (q[j] >> 4) * qx[j + 16];
         }
-        if (FMT == Q4_1) {
-          uint16_t mh;
-          std::memcpy(&mh, wb + 2, 2);
-          mw = fp16_to_fp32(mh);
-        } else {
-          mw = -8.f * dw;
-        }
+        total += fp16_to_fp32(mh[b]) * xs[t * nbs + b];
       }
-      total += dw * xd[t * nb + b] * static_cast<float>(isum) + mw * xs[t * nb + b];
+      total += fp16_to_fp32(dh[b]) * xd[t * nbs + b] * static_cast<float>(isum);
     }
     out[t * ostride] = total;
   }
@@ -166,12 +179,14 @@ inline void dot_rows(const uint8_t* w, const int16_t* xq, const float* xd, const
 template <int FMT>
 inline void dot_rows_any(const uint8_t* row, const int16_t* xq, const float* xd, const float* xs, int64_t nb,
                          int64_t T, int64_t K, float* out, int64_t ostride) {
+  const int64_t nbs = round8(nb);
   int64_t t = 0;
-  for (; t + 4 <= T; t += 4) dot_rows<FMT, 4>(row, xq + t * K, xd + t * nb, xs + t * nb, nb, K, out + t * ostride, ostride);
+  for (; t + 4 <= T; t += 4)
+    dot_rows<FMT, 4>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride);
   switch (T - t) {
-    case 3: dot_rows<FMT, 3>(row, xq + t * K, xd + t * nb, xs + t * nb, nb, K, out + t * ostride, ostride); break;
-    case 2: dot_rows<FMT, 2>(row, xq + t * K, xd + t * nb, xs + t * nb, nb, K, out + t * ostride, ostride); break;
-    case 1: dot_rows<FMT, 1>(row, xq + t * K, xd + t * nb, xs + t * nb, nb, K, out + t * ostride, ostride); break;
+    case 3: dot_rows<FMT, 3>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride); break;
+    case 2: dot_rows<FMT, 2>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride); break;
+    case 1: dot_rows<FMT, 1>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride); break;
     default: break;
   }
 }
@@ -179,19 +194,16 @@ inline void dot_rows_any(const uint8_t* row, const int16_t* xq, const float* xd,
 // y [T, N] (row stride ldy) = x [T, K] @ W.T, W = N rows of blocks
 void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t fmt, float* y,
                    int64_t ldy) {
-  const int64_t nb = K / QK, rb = nb * block_bytes(fmt);
+  const int64_t nb = K / QK, rb = nb * block_bytes(fmt), nbs = round8(nb);
   std::vector<int16_t> xq(T * K);
-  std::vector<float> xd(T * nb), xs(T * nb);
+  std::vector<float> xd(T * nbs), xs(T * nbs);
   quantize_rows_q16(x, T, K, xq.data(), xd.data(), xs.data());
   const int64_t grain = std::max<int64_t>(16, 2048 / std::max<int64_t>(nb, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* row = w + n * rb;
-      switch (fmt) {
-        case Q4_0: dot_rows_any<Q4_0>(row, xq.data(), xd.data(), xs.data(), nb, T, K, y + n, ldy); break;
-        case Q4_1: dot_rows_any<Q4_1>(row, xq.data(), xd.data(), xs.data(), nb, T, K, y + n, ldy); break;
-        default: dot_rows_any<Q8_0>(row, xq.data(), xd.data(), xs.data(), nb, T, K, y + n, ldy); break;
-      }
+      if (fmt == Q4_1) dot_rows_any<Q4_1>(row, xq.data(), xd.data(), xs.data(), nb, T, K, y + n, ldy);
+      else dot_rows_any<Q8_0>(row, xq.data(), xd.data(), xs.data(), nb, T, K, y + n, ldy);
     }
   });
 }
@@ -200,6 +212,8 @@ void check_weight(const torch::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight blocks must be a contiguous uint8 [N, row_bytes] tensor");
   TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32, got ", K);
   TORCH_CHECK(w.size(1) == (K / QK) * block_bytes(fmt), "weight row has ", w.size(1), " bytes, expected ", (K / QK) * block_bytes(fmt));
+  TORCH_CHECK(w.storage().nbytes() - w.storage_offset() >= static_cast<size_t>(w.numel() + 16),
+              "weight blocks need 16 spare bytes after the last row (use laserlm.models.quant.padded)");
 }
 
 }  // namespace
@@ -219,7 +233,7 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K) 
 torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor rows) {
   check_weight(w, fmt, K);
   const bool all = rows.numel() == 0;
-  const int64_t R = all ? w.size(0) : rows.numel(), nb = K / QK, rb = w.size(1), bs = block_bytes(fmt);
+  const int64_t R = all ? w.size(0) : rows.numel(), nb = K / QK, rb = w.size(1), qb = quant_bytes(fmt);
   auto idx = all ? rows : rows.to(torch::kInt64).contiguous();
   const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
   auto out = torch::empty({R, K}, torch::kFloat32);
@@ -230,34 +244,20 @@ torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor 
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t n = all ? r : ip[r];
       TORCH_CHECK(n >= 0 && n < N, "row index ", n, " out of range [0, ", N, ")");
-      const uint8_t* blk = wp + n * rb;
+      const uint8_t* row = wp + n * rb;
+      const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * qb);
       float* o = op + r * K;
-      for (int64_t b = 0; b < nb; ++b, blk += bs, o += QK) {
-        uint16_t dh;
-        std::memcpy(&dh, blk, 2);
-        const float d = fp16_to_fp32(dh);
+      for (int64_t b = 0; b < nb; ++b, o += QK) {
+        const float d = fp16_to_fp32(dh[b]);
         if (fmt == Q8_0) {
-          const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+          const int8_t* q = reinterpret_cast<const int8_t*>(row + b * 32);
           for (int j = 0; j < QK; ++j) o[j] = d * q[j];
         } else {
-          float m = -8.f * d;
-          const uint8_t* qs = blk + 2;
-          if (fmt == Q4_1) {
-            uint16_t mh;
-            std::memcpy(&mh, blk + 2, 2);
-            m = fp16_to_fp32(mh);
-            qs = blk + 4;
-          }
-          if (fmt == Q4_0) {  // d * (q - 8), as gguf's dequantize computes it
-            for (int j = 0; j < 16; ++j) {
-              o[j] = d * static_cast<float>((qs[j] & 0x0F) - 8);
-              o[j + 16] = d * static_cast<float>((qs[j] >> 4) - 8);
-            }
-          } else {
-            for (int j = 0; j < 16; ++j) {
-              o[j] = d * (qs[j] & 0x0F) + m;
-              o[j + 16] = d * (qs[j] >> 4) + m;
-            }
+          const float m = fp16_to_fp32(dh[nb + b]);
+          const uint8_t* qs = row + b * 16;
+          for (int j = 0; j < 16; ++j) {
+            o[j] = d * (qs[j] & 0x0F) + m;
+            o[j + 16] = d * (qs[j] >> 4) + m;
           }
         }
       }
@@ -267,7 +267,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor 
 }
 
 bool has_avx2() {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
   return true;
 #else
   return false;
