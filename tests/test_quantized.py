@@ -122,8 +122,8 @@ def test_gemma3_tensor_types_match_gguf_dequantize():
             assert np.array_equal(got, ref), t.tensor_type.name
         elif t.tensor_type == T.Q4_K:  # d and m re-rounded to fp16: <= 2**-11 relative on d*q and on m
             assert np.all(err <= 2 ** -10 * (blockmax + np.abs(ref.reshape(n, k // 32, 32)).max(-1, keepdims=True)) + 1e-7)
-        else:  # re-quantized to Q8_0: half a step of max|w|/127, the step itself rounded to fp16
-            assert np.all(err <= 0.5 * blockmax / 127 * (1 + 2 ** -9) + 1e-7), t.tensor_type.name
+        else:  # re-quantized to Q8_0: half a step d = max|w|/127, plus |q| <= 127 times d's fp16 rounding (2**-11 d)
+            assert np.all(err <= blockmax / 127 * (0.5 + 127 * 2 ** -11) + 1e-7), t.tensor_type.name
         _check_matmul(blocks, fmt, got)
     assert {T.Q5_0, T.Q4_K, T.Q6_K, T.Q8_0} <= seen
 
@@ -359,3 +359,19 @@ def test_cli_rejects_unknown_weights(capsys):
         main(["generate", "--weights", "int3", "hi"])
     assert exc.value.code == 2
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_laser_file_from_the_fp32_model_runs_on_native_weights(smol, smol_native, tmp_path):
+    """A laser file made on the float model (identity check on embedding values) loads on the native
+    model, whose exit heads then use the packed LM head; decoding with it runs and exits."""
+    from laserlm.depth import ExitHead, LaserArtifact, save_laser_file
+
+    head = ExitHead(smol.engine.adapter, "affine")
+    path = save_laser_file(tmp_path / "smol.laser", smol.engine,
+                           LaserArtifact(heads={15: head, 20: head}, thresholds={"threshold": 0.3}))
+    r = smol_native.generate("The history of Rome", mode=f"adaptive:laser={path},groups=6,min_depth=10",
+                             max_new_tokens=12, ignore_eos=True)
+    assert r.generated_tokens == 12 and r.mean_layers_per_token < 30
+    h = torch.randn(2, 576)
+    ref = ExitHead(smol_native.engine.adapter, "affine")  # identity init: final norm + the packed head
+    torch.testing.assert_close(ref(h), smol_native.engine.head(h), atol=1e-4, rtol=1e-4)
