@@ -366,12 +366,37 @@ def test_laser_file_from_the_fp32_model_runs_on_native_weights(smol, smol_native
     model, whose exit heads then use the packed LM head; decoding with it runs and exits."""
     from laserlm.depth import ExitHead, LaserArtifact, save_laser_file
 
-    head = ExitHead(smol.engine.adapter, "affine")
+    heads = {15: ExitHead(smol.engine.adapter, "affine"), 20: ExitHead(smol.engine.adapter, "affine")}
     path = save_laser_file(tmp_path / "smol.laser", smol.engine,
-                           LaserArtifact(heads={15: head, 20: head}, thresholds={"threshold": 0.3}))
+                           LaserArtifact(heads=heads, thresholds={"threshold": 0.3}))
     r = smol_native.generate("The history of Rome", mode=f"adaptive:laser={path},groups=6,min_depth=10",
                              max_new_tokens=12, ignore_eos=True)
     assert r.generated_tokens == 12 and r.mean_layers_per_token < 30
     h = torch.randn(2, 576)
     ref = ExitHead(smol_native.engine.adapter, "affine")  # identity init: final norm + the packed head
     torch.testing.assert_close(ref(h), smol_native.engine.head(h), atol=1e-4, rtol=1e-4)
+
+
+def test_packed_cache_rejects_damaged_data_and_other_formats(tmp_path):
+    """The packed-weights cache is used only when its checksum and format match; otherwise it is rebuilt."""
+    import copy
+
+    base = _tiny("llama")
+    cache = tmp_path / "packed.safetensors"
+    first = copy.deepcopy(base)
+    assert not pack_model(first, "int8", cache_path=cache).cached
+    again = copy.deepcopy(base)
+    assert pack_model(again, "int8", cache_path=cache).cached
+    ref = first.model.layers[0].laserlm_packed.qkv.weight
+    assert torch.equal(again.model.layers[0].laserlm_packed.qkv.weight, ref)
+    data = bytearray(cache.read_bytes())  # flip bytes well inside the tensor data, header intact
+    data[-200:-100] = bytes(100)
+    cache.write_bytes(bytes(data))
+    broken = copy.deepcopy(base)
+    with pytest.warns(RuntimeWarning, match="checksum mismatch"):
+        assert not pack_model(broken, "int8", cache_path=cache).cached
+    assert torch.equal(broken.model.layers[0].laserlm_packed.qkv.weight, ref)
+    other = copy.deepcopy(base)
+    with pytest.warns(RuntimeWarning, match="holds 'int8' weights, not 'int4'"):
+        report = pack_model(other, "int4", cache_path=cache)
+    assert report.weights == "int4" and not report.cached

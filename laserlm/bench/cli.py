@@ -96,8 +96,8 @@ def _validate(args) -> list[str]:
 def _weight_list(args) -> list[str]:
     from ..models.quant import WEIGHT_FORMATS  # noqa: PLC0415
 
-    ws = [w.strip() for w in (args.weights or "auto").split(",") if w.strip()]
-    bad = [w for w in ws if w not in WEIGHT_FORMATS]
+    ws = [w.strip() for w in (args.weights or "auto").split(",")]
+    bad = [w or "(empty)" for w in ws if w not in WEIGHT_FORMATS]
     if bad or not ws or len(set(ws)) != len(ws):
         raise InvalidArgumentError(f"--weights: unknown or repeated format(s) {', '.join(bad) or args.weights!r}; "
                                    f"choose from {', '.join(WEIGHT_FORMATS)}")
@@ -115,6 +115,9 @@ def cmd_bench(args) -> int:
         args.weights = w
         lms.append(load_from_args(args))
     args.weights = ",".join(weights)
+    resolved = [one.weights for one in lms]
+    if len(set(resolved)) != len(resolved):
+        raise InvalidArgumentError(f"--weights {args.weights} resolves to the same format twice ({', '.join(resolved)})")
     import torch  # noqa: PLC0415
 
     from ..runtime.generate import encode_prompt  # noqa: PLC0415

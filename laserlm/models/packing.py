@@ -19,6 +19,7 @@ Sources of the packed weights:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -162,7 +163,7 @@ class _GGUFSource:
         return kind, data, fmt, f"{t.tensor_type.name}: {how}"
 
 
-PACK_FORMAT_VERSION = 2
+PACK_FORMAT_VERSION = 3
 
 
 def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) -> PackReport:
@@ -190,7 +191,7 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) 
     mods = None
     if cache_path is not None and Path(cache_path).is_file():
         try:
-            mods, report = _load_packed(Path(cache_path), model.config.num_hidden_layers)
+            mods, report = _load_packed(Path(cache_path), model.config.num_hidden_layers, weights)
             report.cached = True
         except Exception as exc:  # noqa: BLE001 - a damaged cache is rebuilt, never trusted
             warnings.warn(f"laserlm: ignoring a damaged packed-weights cache {cache_path} ({type(exc).__name__}: "
@@ -357,16 +358,31 @@ def _save_packed(path: Path, mods: dict, report: PackReport) -> None:
             "head": _record(mods["head"], "head", tensors, shared),
             "report": {"weights": report.weights, "formats": report.formats, "notes": report.notes,
                        "nbytes": report.nbytes}}
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    meta["sha1"] = _digest(tensors)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"laserlm": json.dumps(meta)})
+        save_file(tensors, str(tmp), metadata={"laserlm": json.dumps(meta)})
         tmp.replace(path)
-    except OSError as exc:  # a read-only cache is not an error: the next load packs again
-        warnings.warn(f"laserlm: cannot write the packed-weights cache {path}: {exc}", RuntimeWarning, stacklevel=3)
-        tmp.unlink(missing_ok=True)
+    except Exception as exc:  # noqa: BLE001 - a read-only or full cache is not an error: the next load packs again
+        warnings.warn(f"laserlm: cannot write the packed-weights cache {path} ({type(exc).__name__}: {exc}); "
+                      "the packed weights are used from memory", RuntimeWarning, stacklevel=3)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
-def _load_packed(path: Path, num_layers: int) -> tuple[dict, PackReport]:
+def _digest(tensors: dict) -> str:
+    """SHA-1 over the names and bytes of all tensors (detects damaged data, not only damaged headers)."""
+    h = hashlib.sha1()
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _load_packed(path: Path, num_layers: int, weights: str) -> tuple[dict, PackReport]:
     from safetensors import safe_open  # noqa: PLC0415
     from safetensors.torch import load_file  # noqa: PLC0415
 
@@ -374,7 +390,12 @@ def _load_packed(path: Path, num_layers: int) -> tuple[dict, PackReport]:
         meta = json.loads(f.metadata()["laserlm"])
     if meta.get("version") != PACK_FORMAT_VERSION or len(meta["layers"]) != num_layers:
         raise ValueError("made by another laserlm version or for another model")
-    tensors = {k: quant.padded(v) if k.endswith(".blocks") else v for k, v in load_file(str(path)).items()}
+    if meta.get("report", {}).get("weights") != weights:
+        raise ValueError(f"holds {meta.get('report', {}).get('weights')!r} weights, not {weights!r}")
+    raw = load_file(str(path))
+    if _digest(raw) != meta.get("sha1"):
+        raise ValueError("checksum mismatch (damaged data)")
+    tensors = {k: quant.padded(v) if k.endswith(".blocks") else v for k, v in raw.items()}
     mods = {"layers": [{k: _rebuild(r, tensors) for k, r in g.items()} for g in meta["layers"]],
             "embed": _rebuild(meta["embed"], tensors) if meta["embed"] is not None else None,
             "head": _rebuild(meta["head"], tensors)}

@@ -341,7 +341,7 @@ def from_gguf(raw: np.ndarray, ggml_type: int, n: int, k: int) -> tuple[str, tor
     if k % QK:
         raise UnsupportedArchitectureError(f"GGUF tensor of type {t.name} with rows of {k} (not a multiple of 32)")
     if t in (T.Q4_0, T.Q4_1, T.Q8_0):
-        blocks, fmt = to_soa(torch.from_numpy(np.ascontiguousarray(raw).reshape(n, -1)), int(t))
+        blocks, fmt = to_soa(torch.from_numpy(np.array(raw, copy=True).reshape(n, -1)), int(t))
         return "blocks", blocks, fmt, "exact" if t != T.Q4_0 else "exact (Q4_0 as Q4_1, m = -8 d)"
     if t == T.Q5_0:
         blocks, _ = to_soa(torch.from_numpy(_q5_0_to_q8_0(np.ascontiguousarray(raw), n, k)), Q8_0)

@@ -72,7 +72,7 @@ def _build():
 def ops():
     """The compiled kernel module (``qmatmul``, ``dequantize``, ``has_avx2``), or ``None`` if it cannot be built.
 
-    Set ``LASERLM_NO_KERNELS=1`` to force the PyTorch reference path.
+    Set ``LASERLM_NO_KERNELS=1`` to force the PyTorch reference path (with a warning).
     """
     global _ops, _tried, _error
     if _tried:
@@ -80,12 +80,16 @@ def ops():
     with _lock:
         if _tried:
             return _ops
-        if os.environ.get("LASERLM_NO_KERNELS"):
+        if os.environ.get("LASERLM_NO_KERNELS", "").strip().lower() in ("1", "true", "yes", "on"):
             _error = "LASERLM_NO_KERNELS is set"
+            warnings.warn("laserlm: LASERLM_NO_KERNELS is set: quantized weights run on the slow PyTorch reference "
+                          "path", RuntimeWarning, stacklevel=2)
+        elif (prebuilt := _load_prebuilt()) is not None:
+            _ops = prebuilt
         else:
             try:
-                print("laserlm: building the quantized CPU kernels for this machine (once) ...", file=sys.stderr) \
-                    if not (cache_dir_built()) else None
+                print("laserlm: building the quantized CPU kernels for this machine (once, about a minute) ...",
+                      file=sys.stderr)
                 _ops = _build()
             except Exception as exc:  # compiler missing, ninja missing, build error
                 _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
@@ -93,6 +97,26 @@ def ops():
                               "on the slow PyTorch reference path", RuntimeWarning, stacklevel=2)
         _tried = True
     return _ops
+
+
+def _load_prebuilt():
+    """The already compiled module of this source/torch/CPU, imported directly (no build lock, so a read-only
+    cache works), or ``None``."""
+    import importlib.util  # noqa: PLC0415
+
+    from ..loader import cache_root  # noqa: PLC0415
+
+    d = cache_root() / "kernels" / build_key()
+    so = next(iter(sorted(d.glob("laserlm_quant*.so"))), None) if d.is_dir() else None
+    if so is None:
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("laserlm_quant", so)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod if mod.has_avx2() in (True, False) else None
+    except Exception:  # noqa: BLE001 - a broken file is rebuilt
+        return None
 
 
 def cache_dir_built() -> bool:
