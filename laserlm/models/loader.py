@@ -354,7 +354,9 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     t_start = time.perf_counter()
-    if weights is not None and weights not in ("auto", "fp32", "bf16", "int8", "int4", "native"):
+    from .quant import QUANTIZED_FORMATS, WEIGHT_FORMATS  # noqa: PLC0415
+
+    if weights is not None and weights not in WEIGHT_FORMATS:
         resolve_weights(weights, dtype, False)  # raises the unknown-format error before any loading
     if dtype is not None:
         check_offered_dtype(dtype)  # float16 is refused with the CLI's message (laserlm.models.dtypes)
@@ -370,7 +372,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            load_dtype = torch.float32 if weights in ("int8", "int4", "native") else torch_dtype
+            load_dtype = torch.float32 if weights in QUANTIZED_FORMATS else torch_dtype
             model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype, attn_implementation="sdpa")
             tokenizer = AutoTokenizer.from_pretrained(where)
     except OSError as exc:
@@ -392,7 +394,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     model.requires_grad_(False)
     warn_on_round_trip_failure(tokenizer, name, where)  # encode -> decode probe (laserlm.models.tokenizer_probe)
     report = None
-    if weights in ("int8", "int4", "native"):
+    if weights in QUANTIZED_FORMATS:
         from .packing import pack_model  # noqa: PLC0415
 
         report = pack_model(model, weights, gguf_path=gguf_src, cache_path=packed_cache_path(where, weights))

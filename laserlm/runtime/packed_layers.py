@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..models import kernels
 from ..models.quant import KERNEL_MAX_ROWS, QuantLinear
 from . import attention as attn
+from . import fast_layers
 
 _EMPTY = torch.empty(0)
 _ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -47,16 +48,13 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return x * cos + fast_layers._rotate_half(x) * sin
 
 
 def _sliding_window(layer) -> int | None:
     """The window the transformers attention module passes to the attention function (None: global)."""
-    a = layer.self_attn
-    if type(layer).__name__ == "MistralDecoderLayer":
-        return getattr(a.config, "sliding_window", None)
-    return getattr(a, "sliding_window", None)
+    rule = fast_layers._SLIDING.get(type(layer).__name__, lambda a: getattr(a, "sliding_window", None))
+    return rule(layer.self_attn)
 
 
 def _attention(layer, pk, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
