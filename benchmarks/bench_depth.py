@@ -62,8 +62,8 @@ def evaluate(lm, spec: str, chunks, ref_logits, head_cost: float, kv_cost: float
         nll += float(torch.nn.functional.cross_entropy(lg, tgt, reduction="sum"))
         n += tgt.shape[0]
         exits += out.layers[1:].tolist()
-        infos = getattr(mode, "last_infos", None)
-        if infos is not None:  # adaptive: exit layers + head evaluations + bridge work
+        infos = out.infos
+        if infos:  # adaptive: exit layers + head evaluations + bridge work
             bridge = getattr(mode, "bridge", None)
             for info in infos:
                 e = info["exit_layer"]

@@ -2,18 +2,20 @@
 policy=ats that never exits), interleaved. usage: python benchmarks/bench_gate_check.py LASER_FILE (default /tmp/cf/smol99.safetensors)"""
 import time, torch, laserlm, statistics as st
 from laserlm.runtime.modes import make_mode
-from laserlm.depth.policies import ExitPoint
+from laserlm.depth.policies import BatchPoint
 torch.set_num_threads(2)
 import sys
 LASER = sys.argv[1] if len(sys.argv) > 1 else "/tmp/cf/smol99.safetensors"
 lm = laserlm.load("smollm2-135m"); eng = lm.engine
 m = make_mode("adaptive:laser=" + LASER + ",gate_threshold=1.0", eng)
 gate = m.policy.gates[20]
-h, hin = torch.randn(2, 576).unbind(0)
-p = ExitPoint(3, 20, 30, h, hin, head=eng.head, ats=0.5)
-for _ in range(100): gate.exit_probability(p)
+from laserlm.depth.policies import GatePolicy
+pol = GatePolicy({20: gate}, 0.5)
+h, hin = torch.randn(2, 1, 576).unbind(0)
+p = BatchPoint(3, 20, 30, h, hin, head=eng.head, ats=torch.tensor([0.5]))
+for _ in range(100): pol.decide_batch(p)
 t0 = time.perf_counter()
-for _ in range(1000): gate.exit_probability(p)
+for _ in range(1000): pol.decide_batch(p)
 print("gate check us", (time.perf_counter()-t0)*1e3)
 ats = make_mode("adaptive:policy=ats,ats_threshold=1.0,patience=0", eng)
 nev = make_mode("adaptive:policy=never,patience=0", eng)
@@ -21,7 +23,6 @@ ids = torch.tensor(lm.tokenizer(open("/work/shared/data/wikitext-2/test.txt").re
 res = {"never": [], "ats": []}
 for rep in range(4):
     for k, mm in (("never", nev), ("ats", ats)):
-        mm.prefill(eng, ids[:1]); t0 = time.perf_counter()
-        for t in ids[1:]: mm.step(eng, int(t))
+        t0 = time.perf_counter(); mm.score(eng, ids)  # token-by-token decode (score=decode for these policies)
         res[k].append((time.perf_counter() - t0) / 96)
 print({k: round(st.median(v)*1e3, 2) for k, v in res.items()})

@@ -16,6 +16,7 @@ from typing import Callable
 from .models.loader import LoadedModel, load_model
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationResult, encode_prompt, eos_token_ids
+from .runtime.loop import generate_tokens
 from .runtime.modes import make_mode
 from .runtime.sampling import SamplingParams
 
@@ -34,6 +35,7 @@ class LaserLM:
         self.engine = Engine(loaded, max_seq_len=max_seq_len)
         self.tokenizer = loaded.tokenizer
         self.eos_ids = eos_token_ids(loaded.model, loaded.tokenizer)
+        self._modes: dict[str, object] = {}  # spec -> built mode (laser files read, auto-tuning run once)
         if attention is not None or attention_options:
             self.set_attention(attention or "sparse", **attention_options)
 
@@ -68,12 +70,19 @@ class LaserLM:
         return f"weights {self.weights} ({fmts}; {rep.nbytes / 2**20:.1f} MiB), activations {dtype}"
 
     def mode(self, spec="full"):
-        """Build a decoding mode from a spec string such as ``"full"`` (see :mod:`laserlm.runtime.modes`)."""
-        return make_mode(spec, self.engine)
+        """The decoding mode of a spec string such as ``"full"`` (see :mod:`laserlm.runtime.modes`), or a mode
+        object unchanged. Modes are stateless, so each spec is built once per :class:`LaserLM` and reused: a
+        laser file is read and checked once, ``speculative:auto=1`` searches once."""
+        if not isinstance(spec, str):
+            return spec
+        key = spec.strip()
+        if key not in self._modes:
+            self._modes[key] = make_mode(key, self.engine)
+        return self._modes[key]
 
     def _token_source(self, mode) -> Callable:
         m = self.mode(mode)
-        return lambda ids, params, n: m.tokens(self.engine, ids, params, n)
+        return lambda ids, params, n: generate_tokens(self.engine, m, ids, params, n)
 
     def stream(self, prompt, *, chat: bool = False, mode: str = "full", on_token: Callable | None = None,
                **sampling) -> Generation:

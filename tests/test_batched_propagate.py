@@ -1,5 +1,5 @@
 """Batched propagate scoring (laserlm.depth.batched) against the token-by-token scheduler, batched policy
-decisions against the per-token rules, cheap ("state") exit gates, and threshold calibration on real
+decisions against float64 rules, cheap ("state") exit gates, and threshold calibration on real
 propagate decoding (laserlm.training.decoding) against an independent reference."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from laserlm.depth import AdaptiveDepth, ExitGate, GatePolicy, make_groups, make_policy
 from laserlm.depth.batched import score_batch, supports_batched_score
-from laserlm.depth.heads import gate_scalars, gate_scalars_batch
+from laserlm.depth.heads import gate_scalars_batch
 from laserlm.depth.policies import AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, Saturation
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
@@ -98,44 +98,108 @@ def _batch_point(n=12, d=16, v=20, seed=0, with_ats=True):
     return BatchPoint(1, 10, 30, h, h_in, head=lambda x: (x.float() @ w), ats=ats)
 
 
-def test_decide_batch_matches_per_token_rules():
+def _reference_scalars(pts, features):
+    """Gate features computed directly in float64 from the point's tensors (independent of the package)."""
+    h, h_in = pts.hidden.double(), pts.hidden_in.double()
+    sat = (h * h_in).sum(-1) / (h.norm(dim=-1) * h_in.norm(dim=-1))
+    ats = pts.ats.double() if pts.ats is not None else torch.zeros(len(pts), dtype=torch.float64)
+    pos = torch.full((len(pts),), pts.layer / pts.num_layers, dtype=torch.float64)
+    state = torch.stack([sat, ats, pos], -1)
+    if features == "state":
+        return state
+    p = torch.softmax(pts.head(pts.hidden).double(), -1)
+    top = p.sort(-1, descending=True).values
+    ent = -(p * p.log()).sum(-1) / math.log(p.shape[-1])
+    return torch.cat([torch.stack([top[:, 0], top[:, 0] - top[:, 1], ent], -1), state], -1)
+
+
+def _reference_gate(gate, pts):
+    h = pts.hidden.double()
+    h = h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    x = torch.cat([h, _reference_scalars(pts, gate.features)], -1)
+    return torch.sigmoid(x @ gate.linear.weight.double()[0] + gate.linear.bias.double()[0])
+
+
+def _reference_decision(name, pts):
+    """The exit rule of each policy below, written out in float64 per row."""
+    p = torch.softmax(pts.head(pts.hidden).double(), -1)
+    top = p.sort(-1, descending=True).values
+    h, h_in = pts.hidden.double(), pts.hidden_in.double()
+    sat = (h * h_in).sum(-1) / (h.norm(dim=-1) * h_in.norm(dim=-1))
+    ats = pts.ats.double() if pts.ats is not None else None
+    rules = {
+        "max": top[:, 0] > 0.6,
+        "margin": top[:, 0] - top[:, 1] > 0.3,
+        "entropy": -(p * p.log()).sum(-1) < 1.2,
+        "sat": sat > 0.9,
+        "ats": ats >= 0.5 if ats is not None else torch.zeros(len(pts), dtype=torch.bool),
+        "comp": (h - h_in).norm(dim=-1) / h_in.norm(dim=-1) <= 0.6,
+    }
+    rules["all"] = (top[:, 0] > 0.5) & (sat > 0.85)
+    rules["any"] = (sat > 0.95) | ((ats >= 0.7) if ats is not None else torch.zeros(len(pts), dtype=torch.bool))
+    return rules[name]
+
+
+def test_decide_batch_against_float64_rules():
     gates = _random_state_gates(16, [10], bias=0.2)
     head_gate = ExitGate(16, uses_ats=True, features="head")
     with torch.no_grad():
         head_gate.linear.weight.normal_(0, 0.3)
-    policies = [Confidence(0.6, "max"), Confidence(0.3, "margin"), Confidence(1.2, "entropy", 20),
-                Saturation(0.9), AttentionTransition(0.5), Compensation(0.6), GatePolicy(gates, 0.55),
-                GatePolicy({10: head_gate}, 0.5), GatePolicy({11: head_gate}, 0.5),
-                AllOf([Confidence(0.5), Saturation(0.85)]), AnyOf([Saturation(0.95), AttentionTransition(0.7)])]
+    policies = {"max": Confidence(0.6, "max"), "margin": Confidence(0.3, "margin"),
+                "entropy": Confidence(1.2, "entropy", 20), "sat": Saturation(0.9), "ats": AttentionTransition(0.5),
+                "comp": Compensation(0.6), "all": AllOf([Confidence(0.5), Saturation(0.85)]),
+                "any": AnyOf([Saturation(0.95), AttentionTransition(0.7)])}
     for with_ats in (True, False):
         pts = _batch_point(with_ats=with_ats)
-        for pol in policies:
-            batched = pol.decide_batch(pts).tolist()
-            rows = [bool(pol(pts.row(r))) for r in range(len(pts))]
-            assert batched == rows, pol.describe()
+        for name, pol in policies.items():
+            assert pol.decide_batch(pts).tolist() == _reference_decision(name, pts).tolist(), pol.describe()
+        for gate, thr in ((gates[10], 0.55), (head_gate, 0.5)):
+            want = (_reference_gate(gate, pts) > thr).tolist()
+            assert GatePolicy({10: gate}, thr).decide_batch(pts).tolist() == want
+        assert not GatePolicy({11: head_gate}, 0.5).decide_batch(pts).any()  # no gate at this exit point
     pts = _batch_point()
     conf = torch.softmax(pts.logits, -1).max(-1).values
     assert conf.min() < 0.6 < conf.max()  # the example is not degenerate: the thresholds split the rows
     assert pts.saturation.min() < 0.9 < pts.saturation.max()
     assert 0 < int(Confidence(1.2, "entropy", 20).decide_batch(pts).sum()) < len(pts)
+    assert 0 < int(GatePolicy(gates, 0.55).decide_batch(pts).sum()) < len(pts)
+
+
+def test_combined_policies_short_circuit_per_row():
+    """AllOf asks its second policy only about the rows the first let through (so the exit head is not
+    evaluated for rows a cheap veto already stopped)."""
+    seen = []
+
+    class Spy(Saturation):
+        def decide_batch(self, points):
+            seen.append(len(points))
+            return super().decide_batch(points)
+
+    pts = _batch_point()
+    first = Compensation(0.6)
+    allowed = int(first.decide_batch(pts).sum())
+    assert 0 < allowed < len(pts)
+    AllOf([first, Spy(0.9)]).decide_batch(pts)
+    assert seen == [allowed]
 
 
 def test_state_gate_never_evaluates_the_exit_head(smol):
-    from laserlm.depth.policies import ExitPoint
-
     eng = smol.engine
     gate = _random_state_gates(eng.config.hidden_size, [10])[10]
-    h_in, h = torch.randn(2, eng.config.hidden_size).unbind(0)
+    h_in, h = torch.randn(2, 1, eng.config.hidden_size).unbind(0)
     calls = []
-    point = ExitPoint(1, 10, 30, h, h_in, head=lambda x: calls.append(1) or eng.head(x), ats=0.8)
-    GatePolicy({10: gate}, 0.5)(point)
-    assert calls == [] and point.head_evals == 0
-    # the per-token features equal the batched ones, and the head features carry the same state columns
-    s = gate_scalars(point, "state")
-    b = gate_scalars_batch(None, h.unsqueeze(0), h_in.unsqueeze(0), torch.tensor([0.8]), 10, 30, "state")[0]
-    torch.testing.assert_close(s, b)
-    full = gate_scalars(point, "head")
-    torch.testing.assert_close(full[-3:], s)
+    head_evals = torch.zeros(1, dtype=torch.long)
+    point = BatchPoint(1, 10, 30, h, h_in, head=lambda x: calls.append(1) or eng.head(x), ats=torch.tensor([0.8]),
+                       head_evals=head_evals)
+    GatePolicy({10: gate}, 0.5).decide_batch(point)
+    assert calls == [] and int(head_evals[0]) == 0
+    # the features equal a float64 computation, and the head features carry the same state columns
+    s = gate_scalars_batch(None, h, h_in, torch.tensor([0.8]), 10, 30, "state")
+    torch.testing.assert_close(s.double(), _reference_scalars(point, "state"))
+    full = gate_scalars_batch(eng.head(h), h, h_in, torch.tensor([0.8]), 10, 30, "head")
+    torch.testing.assert_close(full[:, -3:], s)
+    point.logits  # noqa: B018 - evaluating the head is counted
+    assert calls == [1] and int(head_evals[0]) == 1
     with pytest.raises(InvalidArgumentError, match="unknown gate features"):
         ExitGate(8, features="logits")
 

@@ -193,9 +193,8 @@ def test_training_reduces_held_out_kl(smol, smol_states):
     assert curve[-1] < curve[0]
 
 
-def test_batched_gate_scalars_match_depth_gate_scalars(smol, smol_states):
-    from laserlm.depth.heads import ExitHead, gate_scalars
-    from laserlm.depth.policies import ExitPoint
+def test_batched_gate_scalars_match_a_float64_computation(smol, smol_states):
+    from laserlm.depth.heads import ExitHead
     from laserlm.training.heads import gate_scalars_batch
 
     _, train, _ = smol_states
@@ -205,10 +204,16 @@ def test_batched_gate_scalars_match_depth_gate_scalars(smol, smol_states):
     idx = torch.tensor([1, 5, 70])
     h, h_in, ats = train.hidden[20][idx], train.hidden[0][idx], train.ats[idx]
     with torch.no_grad():
-        batch = gate_scalars_batch(head(h), h, h_in, ats, 20, 30)
-    for j in range(3):
-        point = ExitPoint(1, 20, 30, h[j], h_in[j], head=head, ats=float(ats[j]))
-        torch.testing.assert_close(batch[j], gate_scalars(point), rtol=1e-4, atol=1e-5)
+        logits = head(h)
+        batch = gate_scalars_batch(logits, h, h_in, ats, 20, 30)
+        p = torch.softmax(logits.double(), -1)
+    top = p.sort(-1, descending=True).values
+    ent = -(p * p.clamp_min(1e-300).log()).sum(-1) / math.log(p.shape[-1])
+    hd, hi = h.double(), h_in.double()
+    sat = (hd * hi).sum(-1) / (hd.norm(dim=-1) * hi.norm(dim=-1))
+    want = torch.stack([top[:, 0], top[:, 0] - top[:, 1], ent, sat, ats.double(), torch.full((3,), 20 / 30,
+                        dtype=torch.float64)], -1)
+    torch.testing.assert_close(batch.double(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_collected_ats_matches_direct_attention(smol, smol_states):

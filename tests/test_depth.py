@@ -13,6 +13,7 @@ from laserlm.depth import (AdaptiveDepth, Confidence, ExitHead, LaserArtifact, N
 from laserlm.depth.policies import ExitPolicy
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
+from laserlm.runtime.loop import generate_tokens
 from laserlm.runtime.modes import make_mode
 
 PROMPT = "The quick brown fox jumps over the lazy dog. It was a sunny day and"
@@ -26,9 +27,9 @@ class ScriptedExit(ExitPolicy):
         self.target = None
         self.calls = []
 
-    def __call__(self, point):
-        self.calls.append(point.group)
-        return point.group == self.target
+    def decide_batch(self, points):
+        self.calls.append(points.group)
+        return torch.full((len(points),), points.group == self.target)
 
 
 class ScriptedConfidence(ExitPolicy):
@@ -39,9 +40,9 @@ class ScriptedConfidence(ExitPolicy):
         self.conf = {}
         self.calls = []
 
-    def __call__(self, point):
-        self.calls.append(point.group)
-        return self.conf.get(point.group, 0.0) > self.threshold
+    def decide_batch(self, points):
+        self.calls.append(points.group)
+        return torch.full((len(points),), self.conf.get(points.group, 0.0) > self.threshold)
 
 
 def tiny_llama(seed=0, layers=8):
@@ -103,9 +104,10 @@ def test_never_exit_reproduces_full_depth_exactly(smol, bridge):
         ref.append(eng.decode_step(t.view(1)).logits[0, -1])
     ref_cache = [k[:, :, :len(ids)].clone() for k in eng.cache.k]
     mode = make_mode(f"adaptive:threshold=1.0,bridge={bridge},patience=3", eng)  # max prob never exceeds 1
-    got = [mode.prefill(eng, prompt)]
+    rs = mode.new_state(eng)
+    got = [mode.prefill_logits(eng, rs, eng.cache, prompt)]
     for t in cont:
-        logits, info = mode.step(eng, int(t))
+        logits, info = mode.decode(eng, rs, eng.cache, int(t))
         assert info["exit_layer"] == eng.num_layers and info["head_evals"] > 0
         got.append(logits)
     for a, b in zip(ref, got):
@@ -147,14 +149,15 @@ def test_deferred_bridge_makes_the_cache_exact(smol):
 
     policy = ScriptedExit()
     mode = AdaptiveDepth(eng, make_groups(5, L, 8), policy, "deferred", patience=0)
-    mode.prefill(eng, ids[:n0])
+    rs = mode.new_state(eng)
+    mode.prefill_logits(eng, rs, eng.cache, ids[:n0])
     for i, (t, target) in enumerate(zip(toks, script)):
         policy.target = target
-        logits, info = mode.step(eng, int(t))
+        logits, info = mode.decode(eng, rs, eng.cache, int(t))
         assert info["exit_layer"] == (L if target is None else 5 * (target + 1))
         if target is None:  # this token ran to full depth on an exact cache: its logits are full depth's
             torch.testing.assert_close(logits, ref_logits[i + 1], atol=2e-4, rtol=1e-4)
-            assert mode.bridge.pending is None
+            assert rs.pending is None
             assert info["deferred_layers"] > 0
     assert eng.cache.length == n
     for j in range(L):  # every position is complete (the last token ran full depth)
@@ -169,9 +172,10 @@ def test_propagate_writes_projected_kv_real_model(smol, smol_ref):
     L = eng.num_layers
     policy = ScriptedExit()
     mode = AdaptiveDepth(eng, make_groups(5, L, 8), policy, "propagate", patience=0)
-    mode.prefill(eng, ids[:-1])
+    rs = mode.new_state(eng)
+    mode.prefill_logits(eng, rs, eng.cache, ids[:-1])
     policy.target = 1  # exit after 10 layers
-    _, info = mode.step(eng, int(ids[-1]))
+    _, info = mode.decode(eng, rs, eng.cache, int(ids[-1]))
     assert info["exit_layer"] == 10 and info["bridge_layers"] == L - 10
     # independent reference: the transformers model's hidden state after 10 layers at the last position
     with torch.no_grad():
@@ -198,9 +202,10 @@ def test_propagate_gemma3_qk_norm_and_two_rotary_tables():
     ids = torch.randint(0, 128, (12,))
     policy = ScriptedExit()
     mode = AdaptiveDepth(eng, make_groups(2, L, 2), policy, "propagate", patience=0)
-    mode.prefill(eng, ids[:-1])
+    rs = mode.new_state(eng)
+    mode.prefill_logits(eng, rs, eng.cache, ids[:-1])
     policy.target = 0  # exit after 2 layers; layers 2 (global), 3, 4 (sliding), 5 (global) are bridged
-    mode.step(eng, int(ids[-1]))
+    mode.decode(eng, rs, eng.cache, int(ids[-1]))
     p = ids.shape[0] - 1
     with torch.no_grad():
         hs = ref(ids.unsqueeze(0), output_hidden_states=True).hidden_states
@@ -225,12 +230,13 @@ def test_none_bridge_masks_skipped_slots():
     ids = torch.randint(0, 128, (8,))
     policy = ScriptedExit()
     mode = AdaptiveDepth(eng, make_groups(2, L, 2), policy, "none", patience=0)
-    mode.prefill(eng, ids[:5])
+    rs = mode.new_state(eng)
+    mode.prefill_logits(eng, rs, eng.cache, ids[:5])
     policy.target = 1  # token at position 5 exits after 4 layers
-    mode.step(eng, int(ids[5]))
+    mode.decode(eng, rs, eng.cache, int(ids[5]))
     policy.target = None
-    logits, _ = mode.step(eng, int(ids[6]))
-    valid = mode.bridge.valid
+    logits, _ = mode.decode(eng, rs, eng.cache, int(ids[6]))
+    valid = rs.valid
     assert sorted(valid) == [4, 5, 6, 7] and not valid[4][5] and valid[4][4] and valid[4][6]
     # reference: position 6 computed by the transformers model with position 5 removed from layers >= 4
     with torch.no_grad():
@@ -256,7 +262,8 @@ def test_patience_rule_scripted_confidence():
     L = eng.num_layers
     policy = ScriptedConfidence(threshold=0.8)
     mode = AdaptiveDepth(eng, make_groups(5, L, 5), policy, "propagate", patience=3)
-    mode.prefill(eng, torch.tensor([1, 2, 3]))
+    rs = mode.new_state(eng)
+    mode.prefill_logits(eng, rs, eng.cache, torch.tensor([1, 2, 3]))
     hi = 0.9
     # token confidences per group (groups 0..4 can exit: ends 5..25)
     script = [
@@ -270,7 +277,7 @@ def test_patience_rule_scripted_confidence():
     ]
     for i, (conf, checked, exit_layer) in enumerate(script):
         policy.conf, policy.calls = conf, []
-        _, info = mode.step(eng, 5 + i)
+        _, info = mode.decode(eng, rs, eng.cache, 5 + i)
         assert policy.calls == checked, (i, policy.calls)
         assert info["exit_layer"] == exit_layer, i
         assert info["patience"] == (i in (3, 4))
@@ -281,28 +288,30 @@ def test_min_depth_and_patience_zero():
     L = eng.num_layers
     policy = ScriptedConfidence(threshold=0.8)
     mode = AdaptiveDepth(eng, make_groups(5, L, 12), policy, "propagate", patience=0)
-    mode.prefill(eng, torch.tensor([1, 2]))
+    rs = mode.new_state(eng)
+    mode.prefill_logits(eng, rs, eng.cache, torch.tensor([1, 2]))
     for i in range(5):
         policy.conf, policy.calls = {g: 0.99 for g in range(6)}, []
-        _, info = mode.step(eng, 3 + i)
+        _, info = mode.decode(eng, rs, eng.cache, 3 + i)
         assert policy.calls == [2] and info["exit_layer"] == 15  # ends 5 and 10 are below min depth 12
-    assert mode.state.locked is None
+    assert rs.patience.locked is None
     # default min depth: a quarter of the layers (ceil) -> 8 for 30 layers
     assert make_groups(None, 30).min_depth == 8 and make_groups(None, 30).exit_points == [10, 15, 20, 25]
 
 
 def test_confidence_measures_against_direct_computation():
-    from laserlm.depth.policies import ExitPoint
+    from laserlm.depth.policies import BatchPoint
 
     torch.manual_seed(0)
     logits = torch.randn(50, dtype=torch.float64) * 3
     p = torch.softmax(logits, -1)
-    pt = ExitPoint(0, 5, 10, torch.randn(8), torch.randn(8), head=lambda h: logits.float().view(1, -1))
+    pt = BatchPoint(0, 5, 10, torch.randn(1, 8), torch.randn(1, 8), head=lambda h: logits.float().view(1, -1))
     srt = torch.sort(p, descending=True).values
-    assert abs(pt.confidence("max") - float(srt[0])) < 1e-5
-    assert abs(pt.confidence("margin") - float(srt[0] - srt[1])) < 1e-5
-    assert abs(pt.confidence("entropy") - float(-(p * p.log()).sum())) < 1e-4
-    assert Confidence(float(srt[0]) - 1e-3)(pt) and not Confidence(float(srt[0]) + 1e-3)(pt)
+    ent = float(-(p * p.log()).sum())  # float64 references
+    for measure, value, exit_above in (("max", float(srt[0]), True), ("margin", float(srt[0] - srt[1]), True),
+                                       ("entropy", ent, False)):
+        below, above = Confidence(value - 1e-3, measure, 50), Confidence(value + 1e-3, measure, 50)
+        assert bool(below.decide_batch(pt)[0]) == exit_above and bool(above.decide_batch(pt)[0]) != exit_above
 
 
 # -- baselines -------------------------------------------------------------------------------------
@@ -341,7 +350,7 @@ def test_static_pruning_matches_transformers_without_the_layers():
     # generation uses the same subset: greedy tokens equal the truncated transformers model's
     from laserlm.runtime.sampling import SamplingParams
 
-    toks = [ev.token_id for ev in mode.tokens(eng, ids, SamplingParams(max_new_tokens=4), 4)]
+    toks = [ev.token_id for ev in generate_tokens(eng, mode, ids, SamplingParams(max_new_tokens=4), 4)]
     with torch.no_grad():
         out = ref.generate(ids.unsqueeze(0), max_new_tokens=4, do_sample=False, min_new_tokens=4, pad_token_id=0)
     assert toks == out[0, 10:].tolist()
@@ -467,7 +476,7 @@ def test_router_caps_the_depth_of_a_request(smol, tmp_path):
                 router.linear.bias.copy_(10.0 * torch.nn.functional.one_hot(torch.tensor(route_index),
                                                                              len(groups.exit_points) + 1).float())
         mode = AdaptiveDepth(eng, groups, Never(), "propagate", patience=0, router=router)
-        return list(mode.tokens(eng, ids, params, 6))
+        return list(generate_tokens(eng, mode, ids, params, 6))
 
     plain, full, capped = run(None), run(len(groups.exit_points)), run(1)
     assert [e.token_id for e in full] == [e.token_id for e in plain]

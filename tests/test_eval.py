@@ -31,8 +31,14 @@ class CopyMode:
     def __init__(self):
         self.inner = FullDepth()
 
-    def tokens(self, engine, prompt_ids, params, max_tokens):
-        return self.inner.tokens(engine, prompt_ids, params, max_tokens)
+    def new_state(self, engine, request):
+        return self.inner.new_state(engine, request)
+
+    def prefill(self, engine, request):
+        return self.inner.prefill(engine, request)
+
+    def step(self, engine, request):
+        return self.inner.step(engine, request)
 
     def score(self, engine, input_ids):
         return self.inner.score(engine, input_ids)

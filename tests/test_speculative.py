@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime import Engine
+from laserlm.runtime.loop import generate_tokens
 from laserlm.runtime.modes import make_mode
 from laserlm.runtime.sampling import SamplingParams, probabilities
 from laserlm.runtime.speculative import SpeculativeDecoding
@@ -102,10 +103,10 @@ def full_cache_of(engine: Engine, prompt: torch.Tensor, generated: list[int]) ->
             for i in range(engine.num_layers)]
 
 
-def snapshot(engine: Engine) -> list[tuple]:
-    n = engine.position
-    return [(engine.cache.k[i][:, :, :n].clone(), engine.cache.v[i][:, :, :n].clone())
-            for i in range(engine.num_layers)]
+def snapshot(cache) -> list[tuple]:
+    """The committed K/V of a request's cache (``run.request.cache``)."""
+    n = cache.length
+    return [(k[:, :, :n].clone(), v[:, :, :n].clone()) for k, v in zip(cache.k, cache.v)]
 
 
 def assert_cache_equal(got, want):
@@ -152,12 +153,12 @@ def test_tiny_greedy_matches_full(one_thread, draft_layers, k, threshold, reuse)
     mode = SpeculativeDecoding(4, draft_layers=draft_layers, k=k, threshold=threshold, reuse=reuse)
     prompt = [3, 17, 42, 5]
     n = 40
-    run = mode.tokens(engine, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+    run = generate_tokens(engine, mode, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
     got = [ev.token_id for ev in run]
     assert got == hf_greedy(ref, prompt, n)
     s = run.summary()["speculative"]
     assert s["emitted"] == n - 1 and s["drafted"] > 0 and 0 <= s["accepted"] <= s["drafted"]
-    assert engine.position == len(prompt) + n - 1
+    assert run.request.cache.length == len(prompt) + n - 1
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 1e-300])
@@ -172,9 +173,9 @@ def test_underflowing_temperature_in_speculative_sampling_is_greedy(one_thread, 
     prompt, n = [3, 17, 42, 5], 30
     params = SamplingParams(max_new_tokens=n, temperature=temperature, seed=0).validate()
     assert not params.greedy
-    run = mode.tokens(engine, torch.tensor(prompt), params, n)
+    run = generate_tokens(engine, mode, torch.tensor(prompt), params, n)
     assert [ev.token_id for ev in run] == hf_greedy(ref, prompt, n)
-    assert run.stats.drafted > run.stats.accepted > 0, "the draft should be both accepted and rejected"
+    assert run.request.state.drafted > run.request.state.accepted > 0, "the draft should be both accepted and rejected"
 
 
 def test_nan_logits_in_speculative_decoding_are_a_clear_error(one_thread):
@@ -189,7 +190,7 @@ def test_nan_logits_in_speculative_decoding_are_a_clear_error(one_thread):
     for temperature in (0.0, 0.8):
         params = SamplingParams(max_new_tokens=5, temperature=temperature, seed=0)
         with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
-            list(mode.tokens(engine, torch.tensor([3, 17, 42, 5]), params, 5))
+            list(generate_tokens(engine, mode, torch.tensor([3, 17, 42, 5]), params, 5))
 
 
 @pytest.mark.parametrize("temperature, reuse", [(0.0, True), (0.0, False), (1.0, True), (1.0, False)])
@@ -199,17 +200,17 @@ def test_kv_cache_after_rejection_equals_full_depth(one_thread, temperature, reu
     mode = SpeculativeDecoding(4, draft_layers=2, k=4, reuse=reuse)
     prompt = torch.tensor([3, 17, 42, 5])
     params = SamplingParams(max_new_tokens=30, temperature=temperature, seed=1)
-    run = mode.tokens(engine, prompt, params, 30)
+    run = generate_tokens(engine, mode, prompt, params, 30)
     tokens, checked = [], 0
     for ev in run:
         tokens.append(ev.token_id)
         if ev.info.get("kind") == "correction" and checked < 3:  # last token of a rejecting cycle
-            assert engine.position == len(prompt) + len(tokens) - 1
-            got = snapshot(engine)
+            assert run.request.cache.length == len(prompt) + len(tokens) - 1
+            got = snapshot(run.request.cache)
             assert_cache_equal(got, full_cache_of(Engine(engine.model, max_seq_len=64), prompt, tokens))
             checked += 1
     assert checked > 0, "no rejection happened: the test checked nothing"
-    assert_cache_equal(snapshot(engine), full_cache_of(Engine(engine.model, max_seq_len=64), prompt, tokens))
+    assert_cache_equal(snapshot(run.request.cache), full_cache_of(Engine(engine.model, max_seq_len=64), prompt, tokens))
 
 
 def exact_marginals(engine: Engine, prompt: list[int], params: SamplingParams, depth: int, layers: int):
@@ -265,11 +266,11 @@ def test_sampling_distribution_matches_full_model(one_thread, sampling, threshol
     drafted = accepted = 0
     for seed in range(samples):
         params = SamplingParams(max_new_tokens=depth, seed=seed, **sampling)
-        run = mode.tokens(engine, torch.tensor(prompt), params, depth)
+        run = generate_tokens(engine, mode, torch.tensor(prompt), params, depth)
         for pos, ev in enumerate(run):
             counts[pos, ev.token_id] += 1
-        drafted += run.stats.drafted
-        accepted += run.stats.accepted
+        drafted += run.request.state.drafted
+        accepted += run.request.state.accepted
     assert 0.2 < accepted / drafted < 0.9, "draft and full model should disagree often and agree often"
     params = SamplingParams(**sampling)
     exact = exact_marginals(engine, prompt, params, depth, engine.num_layers)
@@ -330,7 +331,7 @@ def _check_real_greedy(smol, smol_ref, prompt, n, draft_layers, k, threshold=0.0
     mode = SpeculativeDecoding(engine.num_layers, draft_layers=draft_layers, k=k, threshold=threshold,
                                reuse=reuse, exit_head=head)
     ids = _prompt_ids(smol, prompt)
-    run = mode.tokens(engine, torch.tensor(ids), SamplingParams(max_new_tokens=n, ignore_eos=True), n)
+    run = generate_tokens(engine, mode, torch.tensor(ids), SamplingParams(max_new_tokens=n, ignore_eos=True), n)
     got = [ev.token_id for ev in run]
     want = _reference(smol, smol_ref, prompt, n)
     mismatch = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
@@ -351,17 +352,17 @@ FAST_CASES = [  # (prompt index, draft_layers, k, threshold, reuse, lens): every
 def test_smollm2_greedy_identical_to_full_depth(smol, smol_ref, case):
     i, n_draft, k, thr, reuse, lens = case
     run = _check_real_greedy(smol, smol_ref, PROMPTS[i], 20, n_draft, k, thr, reuse, lens)
-    assert run.stats.drafted > 0
+    assert run.request.state.drafted > 0
 
 
 def test_smollm2_cache_after_generation_equals_full_depth(smol):
     engine = smol.engine
     ids = torch.tensor(_prompt_ids(smol, PROMPTS[2]))
     mode = SpeculativeDecoding(engine.num_layers, draft_layers=12, k=4)
-    run = mode.tokens(engine, ids, SamplingParams(max_new_tokens=16), 16)
+    run = generate_tokens(engine, mode, ids, SamplingParams(max_new_tokens=16), 16)
     tokens = [ev.token_id for ev in run]
-    assert run.stats.accepted < run.stats.drafted  # rejections happened (raw LM head at layer 12)
-    got = snapshot(engine)
+    assert run.request.state.accepted < run.request.state.drafted  # rejections happened (raw LM head at layer 12)
+    got = snapshot(run.request.cache)
     assert_cache_equal(got, full_cache_of(engine, ids, tokens))
 
 
@@ -409,12 +410,12 @@ def test_calibration_simulation_matches_real_greedy_run(one_thread):
     (trace,) = cal.greedy_traces(engine, [prompt], n, [2], None)
     for k, thr in ((3, 0.0), (2, 0.2), (5, 0.15)):
         mode = SpeculativeDecoding(4, draft_layers=2, k=k, threshold=thr)
-        run = mode.tokens(engine, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+        run = generate_tokens(engine, mode, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
         list(run)
         sim = cal.simulate(trace["agree"][0, 1:], trace["conf"][0, 1:], 2, 4, k, thr, costs)
-        assert (sim["cycles"], sim["accepted"], sim["emitted"]) == (run.stats.cycles, run.stats.accepted,
-                                                                    run.stats.emitted)
-        assert 0 < run.stats.accepted < run.stats.drafted
+        assert (sim["cycles"], sim["accepted"], sim["emitted"]) == (run.request.state.cycles, run.request.state.accepted,
+                                                                    run.request.state.emitted)
+        assert 0 < run.request.state.accepted < run.request.state.drafted
 
 
 def test_auto_options_run_a_calibration(smol, monkeypatch):
@@ -430,7 +431,7 @@ def test_auto_options_run_a_calibration(smol, monkeypatch):
     assert (chosen["draft_layers"], chosen["threshold"]) == (mode.draft_layers, mode.threshold)
     assert report["searched"] == len(report["top1_agreement_by_depth"]) * len(cal.THRESHOLDS)
     assert report["search"][0]["predicted_speedup"] == max(r["predicted_speedup"] for r in report["search"])
-    run = mode.tokens(smol.engine, torch.tensor(_prompt_ids(smol, PROMPTS[0])), SamplingParams(max_new_tokens=4), 4)
+    run = generate_tokens(smol.engine, mode, torch.tensor(_prompt_ids(smol, PROMPTS[0])), SamplingParams(max_new_tokens=4), 4)
     list(run)
     assert run.summary()["speculative"]["calibration"] is report
 
@@ -479,7 +480,7 @@ def laser_files(smol, tmp_path_factory):
 def _draft_trace(smol, spec, prompt, n=20):
     """(tokens, per-cycle (drafted, accepted), mode) of a greedy speculative run."""
     mode = make_mode(spec, smol.engine)
-    run = mode.tokens(smol.engine, torch.tensor(_prompt_ids(smol, prompt)),
+    run = generate_tokens(smol.engine, mode, torch.tensor(_prompt_ids(smol, prompt)),
                       SamplingParams(max_new_tokens=n, ignore_eos=True), n)
     events = list(run)
     cycles = [(ev.info["drafted"], ev.info["accepted"]) for ev in events if ev.info.get("kind") != "prefill"]
@@ -504,12 +505,12 @@ def test_laser_draft_uses_the_files_head(smol, laser_files):
     calls = []
     hook = mode.exit_head.register_forward_hook(lambda mod, inp, out: calls.append((inp[0].clone(), out.clone())))
     try:
-        run = mode.tokens(smol.engine, torch.tensor(_prompt_ids(smol, PROMPTS[2])),
+        run = generate_tokens(smol.engine, mode, torch.tensor(_prompt_ids(smol, PROMPTS[2])),
                           SamplingParams(max_new_tokens=8, ignore_eos=True), 8)
         list(run)
     finally:
         hook.remove()
-    assert len(calls) == run.stats.drafted > 0
+    assert len(calls) == run.request.state.drafted > 0
     assert all(h.shape == (1, 1, smol.engine.config.hidden_size) for h, _ in calls)
     with torch.inference_mode():
         raw = [int(smol.engine.head(h)[0, -1].argmax()) for h, _ in calls]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.loop import generate_tokens
 from ..runtime.modes import make_mode
 from ..runtime.sampling import SamplingParams
 
@@ -126,7 +127,7 @@ class EngineTarget:
         self.lm.engine.kernel = self.kernel
         greedy = SamplingParams(max_new_tokens=n, temperature=0.0)
         with torch.inference_mode():
-            return list(self.mode.tokens(self.lm.engine, ids, greedy, n))
+            return list(generate_tokens(self.lm.engine, self.mode, ids, greedy, n))
 
     def pp(self, ids) -> float:
         ev = self._events(ids, 1)

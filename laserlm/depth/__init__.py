@@ -19,15 +19,15 @@ from ..errors import InvalidArgumentError
 from ..runtime.modes import register_mode
 from .bridge import BRIDGES, make_bridge, project_kv
 from .groups import LayerGroups, default_min_depth, make_groups
-from .heads import ExitGate, ExitHead, LaserArtifact, gate_scalars, load_laser_file, save_laser_file
-from .policies import (AllOf, AnyOf, AttentionTransition, Compensation, Confidence, ExitPoint, ExitPolicy,
+from .heads import ExitGate, ExitHead, LaserArtifact, gate_scalars_batch, load_laser_file, save_laser_file
+from .policies import (AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, ExitPolicy,
                        GatePolicy, Never, Saturation, make_policy)
 from .pruning import LayerSubset, block_influence, pruned_layers
 from .scheduler import AdaptiveDepth
 
 __all__ = ["AdaptiveDepth", "AllOf", "AnyOf", "AttentionTransition", "BRIDGES", "Compensation", "Confidence",
-           "ExitGate", "ExitHead", "ExitPoint", "ExitPolicy", "GatePolicy", "LaserArtifact", "LayerGroups",
-           "LayerSubset", "Never", "Saturation", "block_influence", "default_min_depth", "gate_scalars",
+           "BatchPoint", "ExitGate", "ExitHead", "ExitPolicy", "GatePolicy", "LaserArtifact", "LayerGroups",
+           "LayerSubset", "Never", "Saturation", "block_influence", "default_min_depth", "gate_scalars_batch",
            "load_laser_file", "make_adaptive", "make_bridge", "make_early_exit", "make_groups", "make_policy",
            "make_static", "project_kv", "pruned_layers", "save_laser_file"]
 

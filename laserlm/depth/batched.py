@@ -5,9 +5,9 @@ token at a time, because a token's hidden states depend on the K/V that earlier 
 cache. This module decodes ``B`` sequences side by side instead (one position per step, all rows at once),
 each row making its own exit decisions with the same policy objects the scheduler calls:
 
-- at every exit point the policy decides for all rows still running at once
-  (:meth:`ExitPolicy.decide_batch <laserlm.depth.policies.ExitPolicy.decide_batch>`, the same rule as its
-  per-token ``__call__``; the exit head runs once for all those rows, and only if the policy reads it);
+- the rows walk the layer groups together through the scheduler's own walk
+  (:func:`~laserlm.depth.walk.walk_groups`): at every exit point the policy decides for all rows still running at
+  once (the exit head runs once for all those rows, and only if the policy reads it);
 - a row that exits is *frozen*: its hidden state stays the exit state, and every later layer still runs on
   that frozen state, so the K/V the layer writes for the row are the layer's own projections of the exit
   state, which is exactly what :class:`~laserlm.depth.bridge.PropagateBridge` writes (input norm -> K/V
@@ -29,7 +29,8 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .bridge import PropagateBridge
-from .policies import BatchPoint, transition_score
+from .policies import transition_score
+from .walk import walk_groups
 
 
 @dataclass
@@ -51,23 +52,6 @@ def supports_batched_score(mode) -> bool:
     """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (propagate bridge, no patience)."""
     return (isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "patience", 1) == 0
             and getattr(mode, "router", None) is None)
-
-
-def _batch_engine(engine, batch_size: int, seq_len: int):
-    """An engine sharing ``engine``'s weights with a KV cache of ``batch_size`` rows (memoised on the engine)."""
-    from ..runtime.engine import Engine  # noqa: PLC0415
-
-    memo = engine.__dict__.setdefault("_batched_engines", {})
-    key = (batch_size, seq_len)
-    if key not in memo:
-        memo.clear()  # keep one: caches can be large
-        src = engine.loaded if engine.loaded is not None else engine.adapter.model
-        eb = Engine(src, max_seq_len=seq_len, batch_size=batch_size)
-        eb.fast_layers = engine.fast_layers
-        memo[key] = eb
-    eb = memo[key]
-    eb.kernel = engine.kernel
-    return eb
 
 
 @torch.inference_mode()
@@ -95,56 +79,41 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
     ids = torch.zeros(n_rows, t_max, dtype=torch.long)
     for r, s in enumerate(seqs):
         ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-    eb = _batch_engine(engine, n_rows, t_max)
-    eb.reset()
-    L = eb.num_layers
-    bounds = mode.groups.bounds
+    cache = engine.new_cache(t_max, batch_size=n_rows)
+    L = engine.num_layers
     ats_layer = mode.ats_layer
     logprobs = torch.zeros(n_rows, max(t_max - 1, 0), dtype=torch.float64)
     argmax = torch.zeros(n_rows, t_max, dtype=torch.long)
     layers = torch.full((n_rows, t_max), float(L))
-    prev_probs = None
+    prev = [None]  # the previous position's ATS-layer attention probs [B, H, S]
     for t in range(t_max):
-        h, st = eb.begin(ids[:, t:t + 1])
+        h0, st = engine.begin(ids[:, t:t + 1], cache=cache)
         if ats_layer is not None:
             st.ctx.want_probs = frozenset({ats_layer})
-        live = lens > t  # rows that still have a real token here
-        frozen = torch.zeros(n_rows, dtype=torch.bool)
-        h_exit = torch.zeros_like(h)
-        exit_logits: dict[int, torch.Tensor] = {}  # row -> [V] logits of its exit head
-        ats = None
-        for g, (a, b) in enumerate(bounds):
-            h_in = h
-            if frozen.any():
-                keep = frozen.view(-1, 1, 1)
+        run = {"h": h0}
+
+        def run_group(g, a, b, exited):
+            h_in = run["h"]  # for an exited row: its exit state (frozen below)
+            if exited.any():  # later layers project the exited rows' K/V from their exit state (propagate)
+                keep = exited.view(-1, 1, 1)
+                h = h_in
                 for layer in range(a, b):
-                    h = torch.where(keep, h_exit, eb.run_layer(layer, h, st))
+                    h = torch.where(keep, h_in, engine.run_layer(layer, h, st))
             else:
-                h = eb.run_layers(a, b, h, st)
+                h = engine.run_layers(a, b, h_in, st)
+            run["h"] = h
+            ats = None
             if ats_layer is not None and a <= ats_layer < b:
                 cur = st.ctx.probs[ats_layer][:, :, -1, :].float()  # [B, H, S]
-                ats = transition_score(prev_probs, cur) if prev_probs is not None else None  # [B]
-                prev_probs = cur
-            if t == 0 or b == L or not mode.groups.can_exit(g):
-                continue
-            rows = torch.nonzero(live & ~frozen).flatten()
-            if rows.numel() == 0:
-                continue
-            points = BatchPoint(g, b, L, h[rows, 0], h_in[rows, 0], head=mode._head(eb, b),
-                                ats=ats[rows] if ats is not None else None)
-            go = mode.policy.decide_batch(points)
-            if go.any():
-                out = rows[go]
-                frozen[out] = True
-                h_exit[out] = h[out]  # later layers run on this state (what the propagate bridge projects)
-                layers[out, t] = float(b)
-                lg = points.logits[go] if points._logits is not None else mode._head(eb, b)(h[out, 0]).float()
-                for r, row_logits in zip(out.tolist(), lg):
-                    exit_logits[r] = row_logits
-        eb.commit(st)
-        logits = eb.head(h)[:, 0].float()  # [B, V]; rows that exited get their exit head's logits
-        for r, lg in exit_logits.items():
-            logits[r] = lg
+                ats = transition_score(prev[0], cur) if prev[0] is not None else torch.full((n_rows,), float("nan"))
+                prev[0] = cur
+            return h_in[:, 0], h[:, 0], ats
+
+        res = walk_groups(mode.groups, mode.policy, lambda b: mode.head_at(engine, b), engine.head, n_rows, run_group,
+                          live=(lens > t) & (t > 0), finish=True)
+        engine.commit(st)
+        logits = res.logits  # [B, V]; rows that exited have their exit head's logits
+        layers[:, t] = res.exit_layer.float()
         argmax[:, t] = logits.argmax(-1)
         if t + 1 < t_max:
             lp = torch.log_softmax(logits, -1)

@@ -6,7 +6,8 @@
   per skipped layer instead of a whole layer.
 - :class:`DeferredBridge` (FREE, Bae et al. 2023; EE-LLM, Chen et al. 2024): the skipped layers of a token are
   run later, batched with the next token's forward from the exit layer on, so the cache becomes exact.
-  The scheduler (:mod:`laserlm.depth.scheduler`) does the batching; this object holds the pending token.
+  The scheduler (:mod:`laserlm.depth.scheduler`) does the batching; the pending token is kept in the
+  request's state.
 - :class:`NoneBridge` (D-LLM, Jiang et al. 2024): the slot stays empty and is masked at the skipped layers
   through ``AttentionContext.key_valid``.
 """
@@ -52,19 +53,18 @@ def project_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class Bridge:
-    """Base class. The scheduler calls :meth:`reset` per sequence, :meth:`configure` after each
-    ``Engine.begin`` and :meth:`on_exit` when a token stops after ``layer`` layers."""
+    """Base class (stateless). The scheduler calls :meth:`configure` after each ``Engine.begin`` of a token and
+    :meth:`on_exit` when the token stops after ``layer`` layers; ``rs`` is the request's
+    :class:`~laserlm.depth.scheduler.DepthState` (where a bridge keeps what it needs across tokens)."""
 
     name = "?"
 
-    def reset(self, engine) -> None:
+    def configure(self, engine, state, rs) -> None:
         pass
 
-    def configure(self, engine, state) -> None:
-        pass
-
-    def on_exit(self, engine, state, layer: int, hidden: torch.Tensor, token_id: int) -> int:
-        """Handle the skipped layers ``layer .. L-1``; returns how many layers were bridged."""
+    def on_exit(self, engine, state, layer: int, hidden: torch.Tensor, token_id: int, rs) -> int:
+        """Handle the skipped layers ``layer .. L-1`` of the token at ``state.start``; returns how many layers
+        were bridged."""
         raise NotImplementedError
 
 
@@ -73,13 +73,12 @@ class PropagateBridge(Bridge):
 
     name = "propagate"
 
-    def on_exit(self, engine, state, layer, hidden, token_id):
+    def on_exit(self, engine, state, layer, hidden, token_id, rs):
         a = engine.adapter
-        pos = int(state.positions[0])
         for j in range(layer, a.num_layers):
             cos, sin = state.rope[a.layer_types[j]]
             k, v = project_kv(a.layers[j], hidden, cos, sin)
-            engine.cache.write(j, pos, k, v)
+            state.window.cache.write(j, state.start, k, v)
         return a.num_layers - layer
 
 
@@ -88,20 +87,16 @@ class NoneBridge(Bridge):
 
     name = "none"
 
-    def reset(self, engine):
-        self.valid: dict[int, torch.Tensor] = {}
-
-    def configure(self, engine, state):
-        for v in self.valid.values():
+    def configure(self, engine, state, rs):
+        for v in rs.valid.values():
             v[state.positions] = True  # fresh positions hold real K/V until a token skips
-        state.ctx.key_valid = self.valid
+        state.ctx.key_valid = rs.valid
 
-    def on_exit(self, engine, state, layer, hidden, token_id):
-        pos = int(state.positions[0])
+    def on_exit(self, engine, state, layer, hidden, token_id, rs):
         for j in range(layer, engine.num_layers):
-            if j not in self.valid:
-                self.valid[j] = torch.ones(engine.max_seq_len, dtype=torch.bool)
-            self.valid[j][pos] = False
+            if j not in rs.valid:
+                rs.valid[j] = torch.ones(state.window.cache.max_len, dtype=torch.bool)
+            rs.valid[j][state.start] = False
         return engine.num_layers - layer
 
 
@@ -119,26 +114,14 @@ class PendingToken:
 
 
 class DeferredBridge(Bridge):
-    """Hold the exited token; the scheduler runs its remaining layers with the next token's forward."""
+    """Keep the exited token pending (``rs.pending``); the scheduler runs its remaining layers with the next
+    token's forward."""
 
     name = "deferred"
 
-    def reset(self, engine):
-        self.pending: PendingToken | None = None
-
-    def on_exit(self, engine, state, layer, hidden, token_id):
-        self.pending = PendingToken(int(token_id), int(state.positions[0]), layer, hidden.detach().clone())
+    def on_exit(self, engine, state, layer, hidden, token_id, rs):
+        rs.pending = PendingToken(int(token_id), state.start, layer, hidden.detach().clone())
         return engine.num_layers - layer
-
-
-def begin_at(engine, start: int, token_ids: list[int]):
-    """Open an engine forward for ``token_ids`` at cache positions ``start ..`` (rewriting those slots).
-
-    Moves the committed length back to ``start`` first; the caller restores ``engine.cache.length``
-    after the step. Returns ``(hidden [1, T, d], state)`` as :meth:`Engine.begin`.
-    """
-    engine.cache.length = start
-    return engine.begin(torch.tensor([token_ids], dtype=torch.long))
 
 
 def make_bridge(name: str) -> Bridge:

@@ -5,7 +5,7 @@
   2023; the seed trains such heads on a frozen backbone). Without an adapter it is the untrained "logit
   lens" head.
 - :class:`ExitGate`: a tiny classifier predicting "stopping here keeps the full model's token" from the
-  normalised hidden state and a few scalars (:func:`gate_scalars`); the seed (004) trains it with focal loss.
+  normalised hidden state and a few scalars (:func:`gate_scalars_batch`); the seed (004) trains it with focal loss.
 - :func:`save_laser_file` / :func:`load_laser_file`: one safetensors file whose metadata holds a JSON config
   (format version, the base model's identity and a weight fingerprint, head/gate layout, thresholds).
   Loading a file made for another model raises :class:`~laserlm.errors.InvalidArgumentError`.
@@ -25,7 +25,7 @@ from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
 
 FORMAT_VERSION = 1
 ADAPTER_KINDS = ("none", "affine", "lowrank")
-NUM_GATE_SCALARS = 6  # see gate_scalars
+NUM_GATE_SCALARS = 6  # see gate_scalars_batch
 # Gate feature sets: "head" reads the exit head's distribution (one LM-head evaluation per check: on SmolLM2-135M
 # that costs about as much as 8 decoder layers); "state" uses only the hidden state, saturation, ATS and depth,
 # so a check is one d-vector dot product and the exit head runs only for tokens that exit.
@@ -86,20 +86,6 @@ class ExitHead(nn.Module):
         return {"adapter": self.kind, "rank": self.rank}
 
 
-def gate_scalars(point, features: str = "head") -> torch.Tensor:
-    """Scalar features of an :class:`~laserlm.depth.policies.ExitPoint` for exit gates, float32:
-    ``head`` ``[6]``: top-1 probability, top-2 margin, entropy / ln V, saturation, ATS (0 when absent), layer / L;
-    ``state`` ``[3]``: saturation, ATS, layer / L (no exit-head evaluation)."""
-    ats = point.ats if point.ats is not None else 0.0
-    if features == "state":
-        return torch.tensor([point.saturation, ats, point.layer / point.num_layers], dtype=torch.float32)
-    p = point.probs
-    top = torch.topk(p, 2).values
-    ent = float(-(p * torch.log(p.clamp_min(1e-30))).sum()) / math.log(p.numel())
-    return torch.tensor([float(top[0]), float(top[0] - top[1]), ent, point.saturation, ats,
-                         point.layer / point.num_layers], dtype=torch.float32)
-
-
 def confidence_scalars(logits: torch.Tensor) -> torch.Tensor:
     """``logits [N, V]`` -> ``[N, 3]``: top-1 probability, top-2 margin, entropy / ln V (CALM measures)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -111,7 +97,9 @@ def confidence_scalars(logits: torch.Tensor) -> torch.Tensor:
 
 def gate_scalars_batch(logits: torch.Tensor | None, hidden: torch.Tensor, hidden_in: torch.Tensor,
                        ats: torch.Tensor | None, layer: int, num_layers: int, features: str = "head") -> torch.Tensor:
-    """Batched :func:`gate_scalars`: ``[N, 6]`` (``head``) or ``[N, 3]`` (``state``) float32.
+    """Scalar features of ``N`` tokens at an exit point for exit gates, float32: ``head`` ``[N, 6]``: top-1
+    probability, top-2 margin, entropy / ln V, saturation, ATS (0 when absent), layer / L; ``state`` ``[N, 3]``:
+    saturation, ATS, layer / L (no exit-head evaluation).
 
     Args:
         logits: ``[N, V]`` exit-head logits (unused, may be ``None``, for ``state`` features).
@@ -122,7 +110,7 @@ def gate_scalars_batch(logits: torch.Tensor | None, hidden: torch.Tensor, hidden
     """
     n = hidden.shape[0]
     sat = torch.nn.functional.cosine_similarity(hidden_in.float(), hidden.float(), dim=-1)
-    a = ats.float() if ats is not None else torch.zeros(n)
+    a = torch.nan_to_num(ats.float(), nan=0.0) if ats is not None else torch.zeros(n)  # NaN: no previous token
     pos = torch.full((n,), layer / num_layers)
     state = torch.stack([sat, a, pos], dim=-1)
     if features == "state":
@@ -135,7 +123,7 @@ class ExitGate(nn.Module):
 
     Args:
         hidden_size: d.
-        num_scalars: length of :func:`gate_scalars` for ``features`` (6 for ``head``, 3 for ``state``).
+        num_scalars: length of :func:`gate_scalars_batch` for ``features`` (6 for ``head``, 3 for ``state``).
         uses_ats: whether the gate was trained with the ATS feature (the scheduler then measures it).
         features: ``"head"`` (exit-head confidence features; every check evaluates the exit head) or ``"state"``
             (hidden-state features only; cheap checks). See :data:`GATE_FEATURES`.
@@ -161,12 +149,6 @@ class ExitGate(nn.Module):
         h = hidden.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
         return self.linear(torch.cat([h, scalars.float()], dim=-1)).squeeze(-1)
-
-    def exit_probability(self, point) -> float:
-        """P(exit) for one :class:`~laserlm.depth.policies.ExitPoint`."""
-        with torch.no_grad():
-            logit = self(point.hidden.reshape(1, -1), gate_scalars(point, self.features).reshape(1, -1))
-        return float(torch.sigmoid(logit)[0])
 
     def config_dict(self) -> dict:
         return {"kind": "linear", "num_scalars": self.num_scalars, "uses_ats": self.uses_ats,

@@ -1,7 +1,9 @@
 """Exit policies: small objects asked at an exit point whether the current token may stop there.
 
-A policy is called with an :class:`ExitPoint` (what is known about the token after a layer group) and
-returns ``True`` to exit. Policies compose with :class:`AllOf` / :class:`AnyOf`. Sources:
+A policy decides for a batch of tokens at once: :meth:`ExitPolicy.decide_batch` gets a :class:`BatchPoint`
+(what is known about ``n`` tokens after a layer group) and returns ``[n]`` bool (True: exit). One token is a
+batch of one: the scheduler's decoding, replayed scoring and batched scoring all call the same rule
+(:mod:`laserlm.depth.walk`). Policies compose with :class:`AllOf` / :class:`AnyOf`. Sources:
 
 - :class:`Confidence`: softmax max probability, top-2 margin or entropy of the exit head's distribution
   (CALM, Schuster et al. 2022, "softmax response").
@@ -32,74 +34,17 @@ DEFAULT_ATS_THRESHOLD = 0.7  # the seed's value
 
 
 @dataclass
-class ExitPoint:
-    """One token at one exit point.
+class BatchPoint:
+    """``n`` tokens (rows) at the same exit point, for :meth:`ExitPolicy.decide_batch`.
 
     Attributes:
         group: index of the layer group just finished.
-        layer: decoder layers run so far (the exit layer if the token stops here).
+        layer: decoder layers run so far (the exit layer if a token stops here).
         num_layers: L.
-        hidden: ``[d]`` hidden state after the group.
-        hidden_in: ``[d]`` hidden state entering the group.
-        ats: the token's attention transition score (``None`` when not measured).
-        head: ``fn(hidden [.., d]) -> logits [.., V]`` float32, the exit head at this point.
-    """
-
-    group: int
-    layer: int
-    num_layers: int
-    hidden: torch.Tensor
-    hidden_in: torch.Tensor
-    head: Callable
-    ats: float | None = None
-    _logits: torch.Tensor | None = field(default=None, repr=False)
-    head_evals: int = 0
-
-    @property
-    def logits(self) -> torch.Tensor:
-        """``[V]`` float32 logits of the exit head (computed once, on first use)."""
-        if self._logits is None:
-            self._logits = self.head(self.hidden.unsqueeze(0)).reshape(-1).float()
-            self.head_evals += 1
-        return self._logits
-
-    @property
-    def probs(self) -> torch.Tensor:
-        return torch.softmax(self.logits, dim=-1)
-
-    def confidence(self, measure: str = "max") -> float:
-        """``max``: top-1 probability; ``margin``: top-1 minus top-2 probability; ``entropy``: nats."""
-        p = self.probs
-        if measure == "max":
-            return float(p.max())
-        if measure == "margin":
-            top = torch.topk(p, 2).values
-            return float(top[0] - top[1])
-        if measure == "entropy":
-            return float(-(p * torch.log(p.clamp_min(1e-30))).sum())
-        raise InvalidArgumentError(f"unknown confidence measure '{measure}'; use one of {', '.join(CONFIDENCE_MEASURES)}")
-
-    @property
-    def saturation(self) -> float:
-        """Cosine similarity of the hidden state entering and leaving the group."""
-        return float(torch.nn.functional.cosine_similarity(self.hidden_in.float(), self.hidden.float(), dim=-1))
-
-    @property
-    def relative_change(self) -> float:
-        """``||h_out - h_in|| / ||h_in||`` across the group."""
-        a, b = self.hidden_in.float(), self.hidden.float()
-        return float((b - a).norm() / a.norm().clamp_min(1e-12))
-
-
-@dataclass
-class BatchPoint:
-    """Many tokens (rows) at the same exit point, for :meth:`ExitPolicy.decide_batch` (batched scoring).
-
-    Attributes:
-        group, layer, num_layers: as in :class:`ExitPoint`.
         hidden, hidden_in: ``[n, d]`` hidden states leaving / entering the group.
-        head: ``fn(hidden [n, d]) -> logits [n, V]`` float32.
-        ats: ``[n]`` attention transition scores, or ``None`` when not measured / no previous token.
+        head: ``fn(hidden [n, d]) -> logits [n, V]`` float32, the exit head at this point.
+        ats: ``[n]`` attention transition scores (NaN where there is no previous token), or ``None`` when not
+            measured.
     """
 
     group: int
@@ -110,6 +55,8 @@ class BatchPoint:
     head: Callable
     ats: torch.Tensor | None = None
     _logits: torch.Tensor | None = field(default=None, repr=False)
+    head_evals: torch.Tensor | None = field(default=None, repr=False)  # [N] exit-head evaluations per walk row
+    rows: torch.Tensor | None = field(default=None, repr=False)  # [n] this point's rows among those N
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
@@ -119,13 +66,19 @@ class BatchPoint:
         """``[n, V]`` float32 exit-head logits (computed once, on first use)."""
         if self._logits is None:
             self._logits = self.head(self.hidden).float()
+            if self.head_evals is not None:
+                self.head_evals[self.rows if self.rows is not None else slice(None)] += 1
         return self._logits
 
-    def row(self, r: int) -> ExitPoint:
-        """Row ``r`` as an :class:`ExitPoint` (sharing the batched head evaluation)."""
-        return ExitPoint(self.group, self.layer, self.num_layers, self.hidden[r], self.hidden_in[r],
-                         head=lambda _h: self.logits[r:r + 1],
-                         ats=float(self.ats[r]) if self.ats is not None else None)
+    def select(self, rows: torch.Tensor) -> BatchPoint:
+        """The rows ``rows`` (``[m]`` long indices) as a new point (the head is evaluated on those rows only)."""
+        sub = BatchPoint(self.group, self.layer, self.num_layers, self.hidden[rows], self.hidden_in[rows], self.head,
+                         self.ats[rows] if self.ats is not None else None)
+        if self._logits is not None:
+            sub._logits = self._logits[rows]
+        sub.head_evals = self.head_evals
+        sub.rows = self.rows[rows] if self.rows is not None else rows
+        return sub
 
     @property
     def saturation(self) -> torch.Tensor:
@@ -144,21 +97,17 @@ def _check_range(name: str, value: float, lo: float, hi: float) -> float:
 
 
 class ExitPolicy:
-    """Base class. ``__call__(point) -> bool`` (True: exit here).
+    """Base class: ``decide_batch(points) -> [n]`` bool (True: exit here).
 
     Attributes:
-        needs_ats: the policy reads :attr:`ExitPoint.ats` (the scheduler then records attention probs).
+        needs_ats: the policy reads :attr:`BatchPoint.ats` (the scheduler then records attention probs).
     """
 
     needs_ats = False
 
-    def __call__(self, point: ExitPoint) -> bool:  # pragma: no cover - interface
+    def decide_batch(self, points: BatchPoint) -> torch.Tensor:  # pragma: no cover - interface
+        """``[n]`` bool: the decision for every row."""
         raise NotImplementedError
-
-    def decide_batch(self, points: BatchPoint) -> torch.Tensor:
-        """``[n]`` bool: the decision for every row (default: ``self(point)`` row by row; policies override it
-        with the same rule computed on all rows at once)."""
-        return torch.tensor([bool(self(points.row(r))) for r in range(len(points))], dtype=torch.bool)
 
     def describe(self) -> str:
         return type(self).__name__
@@ -181,9 +130,6 @@ class Confidence(ExitPolicy):
         self.threshold = _check_range(f"confidence threshold ({measure})", threshold, 0.0, hi)
         self.measure = measure
 
-    def __call__(self, point):
-        c = point.confidence(self.measure)
-        return c < self.threshold if self.measure == "entropy" else c > self.threshold
 
     def decide_batch(self, points):
         logp = torch.log_softmax(points.logits, dim=-1)
@@ -205,8 +151,6 @@ class Saturation(ExitPolicy):
     def __init__(self, threshold: float = 0.95):
         self.threshold = _check_range("saturation threshold", threshold, -1.0, 1.0)
 
-    def __call__(self, point):
-        return point.saturation > self.threshold
 
     def decide_batch(self, points):
         return points.saturation > self.threshold
@@ -234,15 +178,11 @@ class AttentionTransition(ExitPolicy):
     def __init__(self, threshold: float = DEFAULT_ATS_THRESHOLD):
         self.threshold = _check_range("attention transition threshold", threshold, 0.0, 1.0)
 
-    def __call__(self, point):
-        if point.ats is None:
-            return False  # no previous token to compare with: be safe and go deeper
-        return point.ats >= self.threshold
 
     def decide_batch(self, points):
-        if points.ats is None:
+        if points.ats is None:  # no previous token to compare with: be safe and go deeper
             return torch.zeros(len(points), dtype=torch.bool)
-        return points.ats >= self.threshold
+        return points.ats >= self.threshold  # NaN (no previous token) compares False
 
     def describe(self):
         return f"ats>={self.threshold:g}"
@@ -255,8 +195,6 @@ class Compensation(ExitPolicy):
     def __init__(self, max_change: float = 0.5):
         self.max_change = _check_range("compensation threshold", max_change, 1e-9, float("inf"))
 
-    def __call__(self, point):
-        return point.relative_change <= self.max_change
 
     def decide_batch(self, points):
         a, b = points.hidden_in.float(), points.hidden.float()
@@ -278,11 +216,6 @@ class GatePolicy(ExitPolicy):
         self.threshold = _check_range("gate threshold", threshold, 0.0, 1.0)
         self.needs_ats = any(getattr(g, "uses_ats", False) for g in self.gates.values())
 
-    def __call__(self, point):
-        gate = self.gates.get(point.layer)
-        if gate is None:
-            return False
-        return gate.exit_probability(point) > self.threshold
 
     def decide_batch(self, points):
         gate = self.gates.get(points.layer)
@@ -310,14 +243,18 @@ class _Combined(ExitPolicy):
         self.policies = list(policies)
         self.needs_ats = any(p.needs_ats for p in self.policies)
 
-    def __call__(self, point):
-        return self.combine(p(point) for p in self.policies)
 
     def decide_batch(self, points):
-        out = None
+        """Short-circuits per row, in order: a policy only sees the rows the earlier ones left undecided, so the
+        exit head is evaluated only for rows that reach a policy reading it."""
+        undecided = self.combine is all  # all: rows still True are undecided; any: rows still False
+        out = torch.full((len(points),), undecided, dtype=torch.bool)
         for p in self.policies:
-            d = p.decide_batch(points)
-            out = d if out is None else (out & d if self.combine is all else out | d)
+            rows = torch.nonzero(out == undecided).flatten()
+            if rows.numel() == 0:
+                break
+            sub = points if rows.numel() == len(points) else points.select(rows)
+            out[rows] = p.decide_batch(sub)
         return out
 
     def describe(self):
@@ -338,8 +275,6 @@ class AnyOf(_Combined):
 class Never(ExitPolicy):
     """Never exit (full depth through the adaptive machinery)."""
 
-    def __call__(self, point):
-        return False
 
     def decide_batch(self, points):
         return torch.zeros(len(points), dtype=torch.bool)

@@ -13,18 +13,18 @@ every generated token alike (the dropped layers never run, so their K/V are neve
 from __future__ import annotations
 
 import os
-import time
+import weakref
 from pathlib import Path
 
 import torch
 
 from ..errors import InvalidArgumentError, ModelNotFoundError
-from ..runtime.generate import TokenEvent
+from ..runtime.loop import Emitted
 from ..runtime.modes import ScoreOutput
-from ..runtime.sampling import make_generator, sample
-from .stats import EventStream
+from .stats import summarize_events
 
 DEFAULT_CALIB_TOKENS = 2048
+_BLOCK_INFLUENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> {(calib, tokens): [L]}
 
 
 def default_calibration_text() -> Path:
@@ -80,7 +80,7 @@ def pruned_layers(engine, num_drop: int, calib=None, num_tokens: int = DEFAULT_C
     L = engine.num_layers
     if not 0 <= num_drop < L:
         raise InvalidArgumentError(f"can drop 0-{L - 1} of the model's {L} layers, got {num_drop}")
-    cache = engine.__dict__.setdefault("_block_influence", {})
+    cache = _BLOCK_INFLUENCE.setdefault(engine, {})
     key = (str(calib), num_tokens)
     if key not in cache:
         cache[key] = block_influence(engine, calibration_ids(engine, calib, num_tokens))
@@ -126,8 +126,10 @@ class LayerSubset:
     def describe(self) -> str:
         return f"{self.name}(layers={len(self.kept)}, runs={self.runs})"
 
-    def _forward(self, engine, ids: torch.Tensor, use_cache: bool, last: bool) -> torch.Tensor:
-        h, st = engine.begin(ids.reshape(1, -1), use_cache=use_cache)
+    @torch.inference_mode()
+    def _forward(self, engine, ids: torch.Tensor, last: bool, start: int | None = None, cache=None) -> torch.Tensor:
+        """Kept layers only, over ``ids [T]`` at ``start`` in ``cache`` (``cache=None``: stand-alone, no cache)."""
+        h, st = engine.begin(ids.reshape(1, -1), start=start, cache=cache, use_cache=cache is not None)
         for a, b in self.runs:
             h = engine.run_layers(a, b, h, st)
         engine.commit(st)
@@ -136,30 +138,26 @@ class LayerSubset:
         head = engine.head if self.head is None else self.head
         return head(h)[0].float()
 
-    def tokens(self, engine, prompt_ids, params, max_tokens):
-        """Prefill and decode with the kept layers only; TokenEvent.layers = number of kept layers."""
-        return EventStream(self._tokens(engine, prompt_ids, params, max_tokens))
-
-    def _tokens(self, engine, prompt_ids, params, max_tokens):
-        generator = None if params.greedy else make_generator(params.seed)
+    def _emit(self, request, logits) -> list[Emitted]:
         n = len(self.kept)
-        with torch.inference_mode():
-            engine.reset()
-            t0 = time.perf_counter()
-            logits = self._forward(engine, prompt_ids, True, True)
-            token = int(sample(logits, params, generator)[0])
-            now = time.perf_counter()
-        yield TokenEvent(token, n, now - t0, {"exit_layer": self.kept[-1] + 1, "compute_layers": n})
-        for _ in range(max_tokens - 1):
-            t0 = now
-            with torch.inference_mode():
-                logits = self._forward(engine, torch.tensor([token]), True, True)
-                token = int(sample(logits, params, generator)[0])
-            now = time.perf_counter()
-            yield TokenEvent(token, n, now - t0, {"exit_layer": self.kept[-1] + 1, "compute_layers": n})
+        return [Emitted(request.sample(logits[-1]), n, {"exit_layer": self.kept[-1] + 1, "compute_layers": n})]
+
+    def new_state(self, engine, request=None):
+        return None
+
+    def prefill(self, engine, request) -> list[Emitted]:
+        """The prompt through the kept layers only; ``Emitted.layers`` = number of kept layers."""
+        return self._emit(request, self._forward(engine, request.prompt_ids, True, 0, request.cache))
+
+    def step(self, engine, request) -> list[Emitted]:
+        return self._emit(request, self._forward(engine, torch.tensor([request.last_token]), True, None,
+                                                 request.cache))
+
+    def summary(self, request) -> dict:
+        return summarize_events(request.infos)
 
     @torch.inference_mode()
     def score(self, engine, input_ids) -> ScoreOutput:
         """Batched teacher-forced forward skipping the dropped layers: ``logits [T, V]``."""
-        logits = self._forward(engine, input_ids, False, False)
+        logits = self._forward(engine, input_ids, False)
         return ScoreOutput(logits, torch.full((logits.shape[0],), float(len(self.kept))))

@@ -27,30 +27,39 @@ holds exactly the K/V of full-depth decoding once the step ends (up to float rou
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import InvalidArgumentError
-from ..runtime.generate import TokenEvent
+from ..runtime.loop import Emitted
 from ..runtime.modes import ScoreOutput
-from ..runtime.sampling import make_generator, sample
-from .bridge import Bridge, DeferredBridge, begin_at, make_bridge
+from .bridge import Bridge, DeferredBridge, PendingToken, make_bridge
 from .groups import LayerGroups
-from .policies import ExitPoint, ExitPolicy, transition_score
-from .stats import EventStream
+from .policies import ExitPolicy, transition_score
+from .stats import summarize_events
+from .walk import PatienceState, update_patience, walk_groups
 
 ROUTER_PROMPT = 64  # tokens the router sees when scoring a sequence teacher-forced (calibration's prompt length)
 
 
 @dataclass
-class PatienceState:
-    """Streak of consecutive tokens exiting at ``group``; ``locked`` is the group being skipped to."""
+class DepthState:
+    """Per-request state of adaptive depth (kept in ``Request.state``).
 
-    group: int | None = None
-    streak: int = 0
-    locked: int | None = None
+    Attributes:
+        patience: the patience streak / lock.
+        route_layer: the router's depth cap for this request in layers (L: none).
+        pending: the deferred bridge's token whose remaining layers run with the next token.
+        valid: the ``none`` bridge's key masks, ``layer -> [max_len]`` bool (False: a skipped slot).
+        prev_probs: the previous token's attention probabilities ``[H, S]`` at the ATS layer.
+    """
+
+    patience: PatienceState
+    route_layer: int
+    pending: PendingToken | None = None
+    valid: dict = field(default_factory=dict)
+    prev_probs: torch.Tensor | None = None
 
 
 class AdaptiveDepth:
@@ -72,6 +81,8 @@ class AdaptiveDepth:
             policy). For teacher-forced :meth:`score` the route is chosen from the first ``ROUTER_PROMPT``
             tokens of the sequence.
 
+    The mode is a stateless config; per-request state (:class:`DepthState`) lives in ``request.state``.
+
     Raises:
         InvalidArgumentError: bad patience or an ATS layer at or after the first exit point.
     """
@@ -83,7 +94,6 @@ class AdaptiveDepth:
                  router=None):
         self.groups = groups
         self.router = router
-        self.route_layer = groups.num_layers
         self.policy = policy
         self.bridge: Bridge = make_bridge(bridge) if isinstance(bridge, str) else bridge
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
@@ -101,8 +111,6 @@ class AdaptiveDepth:
                     f"ats_layer must be a layer before the first exit point (0-{first - 1}), got {ats_layer!r} (a laser "
                     "file's gates read the ATS at the layer they were trained with: keep the file's groups)")
             self.ats_layer = ats_layer
-        self.state = PatienceState()
-        self._prev_probs = None
         if router is not None and router.exit_points != [b for _, b in groups.bounds if b in router.exit_points]:
             raise InvalidArgumentError(f"the router's exit points {router.exit_points} are not group boundaries of "
                                        f"{groups.describe()}")
@@ -121,78 +129,55 @@ class AdaptiveDepth:
                 f"{', router' if self.router is not None else ''})")
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _head(self, engine, layer: int):
+    def head_at(self, engine, layer: int):
+        """The exit head at ``layer`` (a trained head from the laser file, else the model's norm + LM head)."""
         head = self.heads.get(layer)
         return head if head is not None else engine.head
 
-    def _configure(self, engine, state) -> None:
-        self.bridge.configure(engine, state)
+    def _configure(self, engine, st, rs: DepthState) -> None:
+        self.bridge.configure(engine, st, rs)
         if self.ats_layer is not None:
-            state.ctx.want_probs = frozenset({self.ats_layer})
+            st.ctx.want_probs = frozenset({self.ats_layer})
 
-    def _ats(self, state) -> float | None:
-        cur = state.ctx.probs[self.ats_layer][0, :, -1, :]  # [H, S]
-        prev, self._prev_probs = self._prev_probs, cur
-        return None if prev is None else float(transition_score(prev, cur))
+    def _ats(self, st, rs: DepthState) -> torch.Tensor:
+        """``[1]`` ATS of the token just run at the ATS layer (NaN without a previous token)."""
+        cur = st.ctx.probs[self.ats_layer][0, :, -1, :]  # [H, S]
+        prev, rs.prev_probs = rs.prev_probs, cur
+        return torch.tensor([float("nan") if prev is None else float(transition_score(prev, cur))])
 
-    def reset(self, engine) -> None:
-        """Start a new sequence: empty the cache, the bridge and the patience streak."""
-        engine.reset()
-        self.bridge.reset(engine)
-        self.state = PatienceState()
-        self._prev_probs = None
+    def _walk(self, engine, run_group, rs: DepthState, final_head=None, head_at=None):
+        """One token's walk (a batch of one) under the request's patience lock and route."""
+        locked = torch.tensor([-1 if rs.patience.locked is None else rs.patience.locked])
+        return walk_groups(self.groups, self.policy, head_at or (lambda b: self.head_at(engine, b)),
+                           final_head or engine.head, 1, run_group, locked=locked,
+                           route=torch.tensor([rs.route_layer]))
 
-    # -- prefill and one step --------------------------------------------------------------------
+    def _after_token(self, rs: DepthState, res) -> None:
+        exit_group = int(res.exit_group[0]) if bool(res.exited[0]) else None
+        rs.patience = update_patience(rs.patience, self.patience, exit_group, bool(res.lock_failed[0]))
+
+    # -- per request -----------------------------------------------------------------------------
+    def new_state(self, engine, request=None) -> DepthState:
+        return DepthState(PatienceState(), engine.num_layers)
+
     @torch.inference_mode()
-    def prefill(self, engine, input_ids: torch.Tensor) -> torch.Tensor:
-        """Reset, then run ``input_ids [T]`` at full depth; returns the last position's logits ``[V]``."""
-        self.reset(engine)
+    def prefill_logits(self, engine, rs: DepthState, cache, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run ``input_ids [T]`` at full depth into ``cache`` from position 0 (the router picks the request's
+        route first); returns the last position's logits ``[V]``."""
+        cache.reset()
         if self.router is not None:
-            self.route_layer = self.router.route(engine, input_ids.reshape(-1))
-        h, st = engine.begin(input_ids.reshape(1, -1))
-        self._configure(engine, st)
+            rs.route_layer = self.router.route(engine, input_ids.reshape(-1))
+        h, st = engine.begin(input_ids.reshape(1, -1), start=0, cache=cache)
+        self._configure(engine, st, rs)
         h = engine.run_layers(0, engine.num_layers, h, st)
         engine.commit(st)
         if self.ats_layer is not None:
-            self._ats(st)
+            self._ats(st, rs)
         return engine.head(h[:, -1:])[0, 0]
 
-    def _check(self, engine, g: int, h, h_in, ats, locked, checks_on, head=None):
-        """Ask the policy at the end of group ``g`` (``h``/``h_in`` ``[d]``); returns ``(exit?, point, checks_on)``.
-        Applies min depth and the patience lock (shared by :meth:`step` and the replayed score)."""
-        b = self.groups.bounds[g][1]
-        point = ExitPoint(g, b, engine.num_layers, h, h_in, head=head if head is not None else self._head(engine, b), ats=ats)
-        if self.route_layer <= b < engine.num_layers:  # the router's depth for this request is a hard cap
-            return True, point, checks_on
-        if b == engine.num_layers or not checks_on or not self.groups.can_exit(g):
-            return False, None, checks_on
-        if locked is not None and g < locked:
-            return False, None, checks_on
-        if self.policy(point):
-            return True, point, checks_on
-        if locked is not None and g == locked:  # the patience lock fails: full depth, checks resume later
-            self.state = PatienceState()
-            checks_on = False
-        return False, point, checks_on
-
-    def _finish(self, exit_group: int | None, locked: int | None) -> None:
-        """Update the patience streak after a token (exit group or ``None`` for full depth)."""
-        s = self.state
-        if exit_group is None:
-            if locked is None:
-                self.state = PatienceState()
-            return
-        if locked is None:
-            if s.group == exit_group:
-                s.streak += 1
-            else:
-                s.group, s.streak = exit_group, 1
-            if self.patience and s.streak >= self.patience:
-                s.locked = exit_group
-
     @torch.inference_mode()
-    def step(self, engine, token_id: int) -> tuple[torch.Tensor, dict]:
-        """Process one token at the next position; returns ``(logits [V] float32, info)``.
+    def decode(self, engine, rs: DepthState, cache, token_id: int) -> tuple[torch.Tensor, dict]:
+        """Process one token at the end of ``cache``; returns ``(logits [V] float32, info)``.
 
         ``info``: ``exit_group``, ``exit_layer`` (layers of this token's forward before its head),
         ``head_evals`` (exit-head evaluations), ``bridge``, ``bridge_layers`` (skipped layers bridged),
@@ -200,175 +185,143 @@ class AdaptiveDepth:
         (decoder layers run in this step, both tokens), ``patience`` (whether the patience lock applied).
         """
         L = engine.num_layers
-        bounds = self.groups.bounds
-        pos = engine.cache.length
-        pend = None
-        if isinstance(self.bridge, DeferredBridge):
-            pend, self.bridge.pending = self.bridge.pending, None
-        h, st = engine.begin(torch.tensor([[int(token_id)]], dtype=torch.long))
-        self._configure(engine, st)
-        locked = self.state.locked
-        checks_on = True
-        joint = None  # [hidden [1, 2, d], state] of the 2-token forward (deferred bridge)
-        deferred_layers = 0
-        head_evals = 0
-        ats = None
-        exit_group = None
-        point = None
-        for g, (a, b) in enumerate(bounds):
-            h_in = h
-            if pend is not None and joint is None and a == pend.layer:
-                _, stj = begin_at(engine, pend.position, [pend.token_id, int(token_id)])
-                joint = [torch.cat([pend.hidden, h], dim=1), stj]
-            if joint is not None:
-                joint[0] = engine.run_layers(a, b, joint[0], joint[1])
-                h = joint[0][:, -1:]
-                deferred_layers += b - a
-            else:
-                h = engine.run_layers(a, b, h, st)
-            if self.ats_layer is not None and a <= self.ats_layer < b:
-                ats = self._ats(st)
-            done, point, checks_on = self._check(engine, g, h[0, 0], h_in[0, 0], ats, locked, checks_on)
-            head_evals += point.head_evals if point is not None else 0
-            if done:
-                exit_group = g
-                break
-        info = {"bridge": self.bridge.name, "patience": locked is not None}
-        if exit_group is not None:
-            b = bounds[exit_group][1]
-            if point._logits is None:
-                head_evals += 1
-            logits = point.logits
-            if pend is not None:  # finish the pending token alone from where it stands
-                start, hp = (pend.layer, pend.hidden) if joint is None else (b, joint[0][:, :1])
-                _, stp = begin_at(engine, pend.position, [pend.token_id])
-                engine.run_layers(start, L, hp, stp)
-                deferred_layers += L - start
-            info["bridge_layers"] = self.bridge.on_exit(engine, st, b, h, token_id)
-        else:
-            b = L
-            logits = engine.head(h)[0, 0]
-            info["bridge_layers"] = 0
-        self._finish(exit_group, locked)
-        engine.cache.length = pos + 1
-        info.update(exit_group=exit_group if exit_group is not None else len(bounds) - 1, exit_layer=b,
-                    head_evals=head_evals, deferred_layers=deferred_layers, compute_layers=b + deferred_layers)
-        return logits, info
+        token_id = int(token_id)
+        pend, rs.pending = rs.pending, None
+        h, st = engine.begin(torch.tensor([[token_id]], dtype=torch.long), cache=cache)
+        self._configure(engine, st, rs)
+        locked = rs.patience.locked
+        run = {"h": h, "joint": None, "deferred": 0}  # joint: [hidden [1, 2, d], state] (deferred bridge)
 
+        def run_group(g, a, b, exited):
+            h_in = run["h"]
+            if pend is not None and run["joint"] is None and a == pend.layer:
+                _, stj = engine.begin(torch.tensor([[pend.token_id, token_id]]), start=pend.position, cache=cache)
+                run["joint"] = [torch.cat([pend.hidden, h_in], dim=1), stj]
+            if run["joint"] is not None:
+                joint = run["joint"]
+                joint[0] = engine.run_layers(a, b, joint[0], joint[1])
+                run["h"] = joint[0][:, -1:]
+                run["deferred"] += b - a
+            else:
+                run["h"] = engine.run_layers(a, b, h_in, st)
+            ats = self._ats(st, rs) if self.ats_layer is not None and a <= self.ats_layer < b else None
+            return h_in[:, 0], run["h"][:, 0], ats
+
+        res = self._walk(engine, run_group, rs)
+        h, joint, deferred = run["h"], run["joint"], run["deferred"]
+        exit_layer = int(res.exit_layer[0])
+        info = {"bridge": self.bridge.name, "patience": locked is not None, "bridge_layers": 0}
+        if bool(res.exited[0]):
+            if pend is not None:  # finish the pending token alone from where it stands
+                first, hp = (pend.layer, pend.hidden) if joint is None else (exit_layer, joint[0][:, :1])
+                _, stp = engine.begin(torch.tensor([[pend.token_id]]), start=pend.position, cache=cache)
+                engine.run_layers(first, L, hp, stp)
+                engine.commit(stp)
+                deferred += L - first
+            info["bridge_layers"] = self.bridge.on_exit(engine, st, exit_layer, h, token_id, rs)
+        if joint is not None:
+            engine.commit(joint[1])
+        engine.commit(st)
+        self._after_token(rs, res)
+        info.update(exit_group=int(res.exit_group[0]), exit_layer=exit_layer, head_evals=int(res.head_evals[0]),
+                    deferred_layers=deferred, compute_layers=exit_layer + deferred)
+        return res.logits[0], info
+
+    def prefill(self, engine, request) -> list[Emitted]:
+        logits = self.prefill_logits(engine, request.state, request.cache, request.prompt_ids)
+        L = engine.num_layers
+        return [Emitted(request.sample(logits), L, {"exit_layer": L, "exit_group": len(self.groups) - 1,
+                                                    "phase": "prefill", "compute_layers": L})]
+
+    def step(self, engine, request) -> list[Emitted]:
+        """One token: :meth:`decode` of ``request.last_token``, then sampling. ``Emitted.layers`` is the token's
+        exit layer; ``info`` holds the step details."""
+        logits, info = self.decode(engine, request.state, request.cache, request.last_token)
+        return [Emitted(request.sample(logits), info["exit_layer"], info)]
+
+    def summary(self, request) -> dict:
+        """The exit-layer histogram and compute summary of a request (:func:`summarize_events`)."""
+        return summarize_events(request.infos)
+
+    # -- teacher-forced scoring ------------------------------------------------------------------
     def _boundary_states(self, engine, ids):
         """Full-depth batched forward of ``ids [T]``: hidden ``[T, d]`` at every group boundary, final logits
-        ``[T, V]`` and the ATS layer's probs. When ``engine._depth_replay_memo`` is a dict (opt-in, for sweeps
-        that replay the same text under many policies with frozen weights) results are memoised there."""
-        bounds = self.groups.bounds
-        memo = engine.__dict__.get("_depth_replay_memo")
-        key = (ids.numpy().tobytes(), bounds, self.ats_layer)
-        if memo is not None and key in memo:
-            return memo[key]
+        ``[T, V]`` and the ATS layer's probs."""
         h, st = engine.begin(ids.unsqueeze(0), use_cache=False)
         if self.ats_layer is not None:
             st.ctx.want_probs = frozenset({self.ats_layer})
         hs = {0: h[0]}
-        for a, b in bounds:
+        for a, b in self.groups.bounds:
             h = engine.run_layers(a, b, h, st)
             hs[b] = h[0]
         final = engine.head(h)[0]
         probs = st.ctx.probs.get(self.ats_layer) if self.ats_layer is not None else None
-        if memo is not None:
-            if len(memo) >= 8:
-                memo.pop(next(iter(memo)))
-            memo[key] = (hs, final, probs)
         return hs, final, probs
 
     @torch.inference_mode()
     def replay_score(self, engine, input_ids) -> ScoreOutput:
         """Teacher-forced score of the ``deferred`` bridge by replay: one batched full-depth forward keeps the
-        hidden state at every group boundary, then the policy (min depth, patience, ATS) is replayed token by
+        hidden state at every group boundary, then the walk (min depth, patience, ATS) is replayed token by
         token on them. Exact in exact arithmetic because with the deferred bridge every token reads the exact
         K/V of all earlier tokens; equal to :meth:`score` with ``score=decode`` up to float rounding
         (tested). Position 0 is the full-depth prefill, as in :meth:`score`."""
         ids = input_ids.reshape(-1)
         t = ids.shape[0]
         L = engine.num_layers
-        bounds = self.groups.bounds
-        self.reset(engine)
+        rs = self.new_state(engine)
         hs, final, probs = self._boundary_states(engine, ids)
         out = final.clone()
         layers = torch.full((t,), float(L))
-        self.last_infos = []
+        infos = []
         batched: dict[int, torch.Tensor] = {}  # exit layer -> [T, V] logits, computed on first use
 
-        def head_at(b: int, i: int):
+        def head_at(b):
             def head(_h):
                 if b not in batched:
-                    batched[b] = self._head(engine, b)(hs[b].unsqueeze(0))[0].float()
-                return batched[b][i]
+                    batched[b] = self.head_at(engine, b)(hs[b].unsqueeze(0))[0].float()
+                return batched[b][pos[0]:pos[0] + 1]
             return head
 
-        for i in range(1, t):
-            locked = self.state.locked
-            checks_on = True
+        def run_group(g, a, b, exited):
+            i = pos[0]
             ats = None
-            if probs is not None:
-                ats = float(transition_score(probs[0, :, i - 1, :i], probs[0, :, i, :i + 1]))
-            exit_group = None
-            head_evals = 0
-            for g, (a, b) in enumerate(bounds):
-                done, point, checks_on = self._check(engine, g, hs[b][i], hs[a][i], ats, locked, checks_on,
-                                                     head=head_at(b, i))
-                head_evals += point.head_evals if point is not None else 0
-                if done:
-                    exit_group = g
-                    head_evals += 0 if point._logits is not None else 1
-                    out[i] = point.logits
-                    layers[i] = b
-                    break
-            self._finish(exit_group, locked)
-            self.last_infos.append({"exit_layer": int(layers[i]), "head_evals": head_evals,
-                                    "exit_group": exit_group if exit_group is not None else len(bounds) - 1})
-        return ScoreOutput(out, layers)
+            if probs is not None and a <= self.ats_layer < b:
+                ats = transition_score(probs[0, :, i - 1, :i], probs[0, :, i, :i + 1]).reshape(1).float()
+            return hs[a][i:i + 1], hs[b][i:i + 1], ats
 
-    # -- the mode interface ----------------------------------------------------------------------
-    def tokens(self, engine, prompt_ids, params, max_tokens):
-        """Generate after ``prompt_ids [T]``; prefill at full depth, then one :meth:`step` per token.
-        Each TokenEvent's ``layers`` is the token's exit layer; ``info`` holds the step details. Returns an
-        :class:`~laserlm.depth.stats.EventStream` (its ``summary()`` gives the exit-layer histogram)."""
-        return EventStream(self._tokens(engine, prompt_ids, params, max_tokens))
-
-    def _tokens(self, engine, prompt_ids, params, max_tokens):
-        generator = None if params.greedy else make_generator(params.seed)
-        L = engine.num_layers
-        t0 = time.perf_counter()
-        logits = self.prefill(engine, prompt_ids)
-        token = int(sample(logits.unsqueeze(0), params, generator)[0])
-        now = time.perf_counter()
-        yield TokenEvent(token, L, now - t0, {"exit_layer": L, "exit_group": len(self.groups) - 1,
-                                              "phase": "prefill", "compute_layers": L})
-        for _ in range(max_tokens - 1):
-            t0 = now
-            logits, info = self.step(engine, token)
-            token = int(sample(logits.unsqueeze(0), params, generator)[0])
-            now = time.perf_counter()
-            yield TokenEvent(token, info["exit_layer"], now - t0, info)
+        pos = [0]
+        for i in range(1, t):
+            pos[0] = i
+            res = self._walk(engine, run_group, rs, final_head=lambda _h: final[pos[0]:pos[0] + 1], head_at=head_at)
+            out[i] = res.logits[0]
+            layers[i] = float(res.exit_layer[0])
+            self._after_token(rs, res)
+            infos.append({"exit_layer": int(res.exit_layer[0]), "head_evals": int(res.head_evals[0]),
+                          "exit_group": int(res.exit_group[0])})
+        return ScoreOutput(out, layers, infos)
 
     @torch.inference_mode()
     def score(self, engine, input_ids) -> ScoreOutput:
-        """Teacher-forced logits ``[T, V]`` by decoding ``input_ids [T]`` token by token with this policy and
-        bridge (position 0 is the full-depth prefill), so the cache behaves exactly as in generation.
-        ``layers [T]`` = exit layer per position. Step details of the last call are in ``self.last_infos``."""
+        """Teacher-forced logits ``[T, V]`` of ``input_ids [T]`` under this policy and bridge: by replay
+        (``score=replay``) or by decoding token by token with :meth:`decode` (position 0 is the full-depth
+        prefill), so the cache behaves exactly as in generation. ``layers [T]`` = exit layer per position;
+        ``infos`` = the step details."""
         if self.score_method == "replay":
             return self.replay_score(engine, input_ids)
         ids = input_ids.reshape(-1)
         t = ids.shape[0]
         out = torch.empty(t, engine.config.vocab_size, dtype=torch.float32)
         layers = torch.empty(t)
-        out[0] = self.prefill(engine, ids[:1])
+        rs = self.new_state(engine)
+        cache = engine.new_cache(t)
+        out[0] = self.prefill_logits(engine, rs, cache, ids[:1])
         if self.router is not None:
-            self.route_layer = self.router.route(engine, ids[:ROUTER_PROMPT])
+            rs.route_layer = self.router.route(engine, ids[:ROUTER_PROMPT])
         layers[0] = engine.num_layers
-        self.last_infos = []
+        infos = []
         for i in range(1, t):
-            logits, info = self.step(engine, int(ids[i]))
+            logits, info = self.decode(engine, rs, cache, int(ids[i]))
             out[i] = logits
             layers[i] = info["exit_layer"]
-            self.last_infos.append(info)
-        return ScoreOutput(out, layers)
+            infos.append(info)
+        return ScoreOutput(out, layers, infos)

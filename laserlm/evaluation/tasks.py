@@ -400,6 +400,7 @@ def check_runnable(lm, spec: str, mode=None) -> None:
         InvalidArgumentError: unknown mode / bad options (from :func:`make_mode`).
         LaserLMError: the configuration raised while running.
     """
+    from ..runtime.loop import generate_tokens  # noqa: PLC0415
     from ..runtime.sampling import SamplingParams  # noqa: PLC0415
 
     mode = mode if mode is not None else make_mode(spec, lm.engine)
@@ -409,11 +410,9 @@ def check_runnable(lm, spec: str, mode=None) -> None:
             out = mode.score(lm.engine, ids)
             if tuple(out.logits.shape[:1]) != (ids.shape[0],):
                 raise ValueError(f"score() returned logits of shape {tuple(out.logits.shape)} for {ids.shape[0]} tokens")
-            for _ in mode.tokens(lm.engine, ids, SamplingParams(max_new_tokens=2), 2):
+            for _ in generate_tokens(lm.engine, mode, ids, SamplingParams(max_new_tokens=2), 2):
                 pass
     except LaserLMError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure of a plug-in mode becomes one clear line
         raise LaserLMError(f"configuration '{spec}' cannot run on this model: {type(exc).__name__}: {exc}") from exc
-    finally:
-        lm.engine.reset()

@@ -5,8 +5,12 @@ preallocated :class:`~laserlm.runtime.kv_cache.KVCache`. The transformers decode
 unchanged; their attention goes through :mod:`laserlm.runtime.attention`.
 
 Besides the full-depth :meth:`Engine.forward`, the engine exposes the primitives that adaptive-depth
-schedulers, bridges and speculative decoding compose: :meth:`Engine.begin` (embed + rotary + open the
-cache window), :meth:`Engine.run_layer`, :meth:`Engine.head` and :meth:`Engine.commit`.
+schedulers, bridges and speculative decoding compose: :meth:`Engine.begin` (embed + rotary + open a
+cache window at an explicit start position, gpt-fast's ``input_pos``), :meth:`Engine.run_layers`,
+:meth:`Engine.head` and :meth:`Engine.commit`. Every forward names the :class:`KVCache` it reads and
+writes (a request's own, :meth:`Engine.new_cache`); without one it uses the engine's cache, which backs
+the simple :meth:`prefill` / :meth:`decode_step` API. Nothing outside the engine and
+:mod:`laserlm.runtime.kv_cache` moves a cache's positions.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from ..models.adapters import ModelAdapter, get_adapter
 from ..models.loader import LoadedModel, load_model
 from . import attention as attn
 from . import fast_layers, packed_layers
-from .kv_cache import KVCache
+from .kv_cache import CacheWindow, KVCache
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -60,15 +64,24 @@ class StepState:
         position_ids: ``[1, T]`` the same, as transformers expects.
         rope: rotary ``(cos, sin)`` per layer type, each ``[1, T, head_dim]``.
         ctx: the attention context of this forward.
-        use_cache: whether layers read and write the KV cache.
+        window: the positions this forward writes in its KV cache (``None``: a stand-alone forward).
     """
 
     positions: torch.Tensor
     position_ids: torch.Tensor
     rope: dict
     ctx: attn.AttentionContext
-    use_cache: bool
+    window: CacheWindow | None
     t0: float
+
+    @property
+    def use_cache(self) -> bool:
+        return self.window is not None
+
+    @property
+    def start(self) -> int:
+        """Absolute position of the first token of this forward."""
+        return int(self.positions[0])
 
 
 class Engine:
@@ -101,7 +114,7 @@ class Engine:
         self.max_seq_len = max_seq_len
         self.dtype = next(hf_model.parameters()).dtype
         a = self.adapter
-        self.cache = KVCache(a.num_layers, batch_size, a.num_kv_heads, a.head_dim, max_seq_len, self.dtype)
+        self.cache = self.new_cache(max_seq_len, batch_size)
         self._rope_tables = None
         self.kernel = None  # optional attention kernel (block-sparse attention), see attention.py
         # Llama-family layers run through fast_layers.fast_layer (bit-identical, less dispatch overhead);
@@ -136,16 +149,28 @@ class Engine:
 
     @property
     def position(self) -> int:
-        """Number of tokens in the KV cache."""
+        """Number of tokens in the engine's own KV cache."""
         return self.cache.length
 
-    def reset(self) -> None:
-        """Empty the KV cache (start a new sequence)."""
-        self.cache.reset()
+    def new_cache(self, max_len: int | None = None, batch_size: int = 1) -> KVCache:
+        """A KV cache for one request (``max_len`` positions, default the engine's context size).
 
-    def truncate(self, length: int) -> None:
-        """Roll the KV cache back to its first ``length`` positions."""
-        self.cache.crop(length)
+        Raises:
+            ContextLengthError: ``max_len`` above the engine's context size.
+        """
+        max_len = self.max_seq_len if max_len is None else int(max_len)
+        if max_len > self.max_seq_len:
+            raise ContextLengthError(f"{max_len} positions exceed the context size {self.max_seq_len}")
+        a = self.adapter
+        return KVCache(a.num_layers, batch_size, a.num_kv_heads, a.head_dim, max(1, max_len), self.dtype)
+
+    def reset(self, cache: KVCache | None = None) -> None:
+        """Empty a KV cache (default: the engine's own; start a new sequence)."""
+        (cache or self.cache).reset()
+
+    def truncate(self, length: int, cache: KVCache | None = None) -> None:
+        """Roll a KV cache (default: the engine's own) back to its first ``length`` positions."""
+        (cache or self.cache).crop(length)
 
     # -- primitives ------------------------------------------------------------------------------
     def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
@@ -156,34 +181,44 @@ class Engine:
         start, end = int(positions[0]), int(positions[-1]) + 1
         return {t: (c[start:end].unsqueeze(0), s[start:end].unsqueeze(0)) for t, (c, s) in self._rope_tables.items()}
 
-    def begin(self, input_ids: torch.Tensor, use_cache: bool = True) -> tuple[torch.Tensor, StepState]:
-        """Start a forward over ``input_ids [B, T]``: embed, rotary, open the cache window.
+    def begin(self, input_ids: torch.Tensor, start: int | None = None, cache: KVCache | None = None,
+              use_cache: bool = True) -> tuple[torch.Tensor, StepState]:
+        """Start a forward over ``input_ids [B, T]`` at positions ``start .. start+T-1``: embed, rotary,
+        open the write window in ``cache``.
+
+        Args:
+            start: absolute position of the first token (default: the end of ``cache``); at most the
+                cache's length (a forward may rewrite positions, never leave a hole).
+            cache: the KV cache read and written (default: the engine's own).
+            use_cache: False: a stand-alone forward from position 0 that reads and writes no cache (any batch).
 
         Returns ``(hidden [B, T, d], state)``.
 
         Raises:
-            ContextLengthError: the tokens do not fit in the remaining context.
-            InvalidArgumentError: empty input or a batch size the cache was not built for.
+            ContextLengthError: the tokens do not fit in the cache's context.
+            InvalidArgumentError: empty input, a batch size the cache was not built for, a bad ``start``.
         """
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         b, t = input_ids.shape
         if t == 0:
             raise InvalidArgumentError("empty input: at least one token is required")
+        window = None
         if use_cache:
-            if b != self.cache.batch_size:
-                raise InvalidArgumentError(f"batch of {b} sequences but the KV cache holds {self.cache.batch_size}")
-            start, end = self.cache.begin(t)
+            cache = self.cache if cache is None else cache
+            if b != cache.batch_size:
+                raise InvalidArgumentError(f"batch of {b} sequences but the KV cache holds {cache.batch_size}")
+            window = cache.window(cache.length if start is None else int(start), t)
+            first = window.start
         else:
-            start, end = 0, t
+            first = 0
             if t > self.max_seq_len:
                 raise ContextLengthError(f"{t} tokens exceed the context size {self.max_seq_len}")
-        positions = torch.arange(start, end)
+        positions = torch.arange(first, first + t)
         hidden = self.adapter.embed(input_ids)
         ctx = attn.AttentionContext(q_positions=positions, kv_offset=0, kernel=self.kernel)
         state = StepState(positions=positions, position_ids=positions.unsqueeze(0),
-                          rope=self._rope(hidden, positions), ctx=ctx, use_cache=use_cache,
-                          t0=time.perf_counter())
+                          rope=self._rope(hidden, positions), ctx=ctx, window=window, t0=time.perf_counter())
         return hidden, state
 
     def run_layer(self, i: int, hidden: torch.Tensor, state: StepState) -> torch.Tensor:
@@ -192,7 +227,7 @@ class Engine:
 
     def run_layers(self, start: int, stop: int, hidden: torch.Tensor, state: StepState) -> torch.Tensor:
         """Run decoder layers ``start .. stop-1``; ``hidden [B, T, d]`` in and out."""
-        layers, types, cache = self.adapter.layers, self.adapter.layer_types, self.cache if state.use_cache else None
+        layers, types, cache = self.adapter.layers, self.adapter.layer_types, state.window
         fast = self._fast_ok if self.fast_layers and not fast_layers.hooks_active() else None
         with attn.attention_context(state.ctx):
             for i in range(start, stop):
@@ -214,37 +249,42 @@ class Engine:
         return self.adapter.logits(hidden).float()
 
     def commit(self, state: StepState) -> None:
-        """Make the positions of this forward part of the cache."""
-        if state.use_cache:
-            self.cache.commit()
+        """Make the positions of this forward part of its cache."""
+        if state.window is not None:
+            state.window.cache.commit(state.window)
 
     # -- full depth ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, logits: str = "last", use_cache: bool = True) -> ForwardOutput:
-        """Full-depth forward of ``input_ids [B, T]`` (or ``[T]``) after the cached positions.
+    def forward(self, input_ids: torch.Tensor, logits: str = "last", use_cache: bool = True,
+                start: int | None = None, cache: KVCache | None = None) -> ForwardOutput:
+        """Full-depth forward of ``input_ids [B, T]`` (or ``[T]``) at ``start`` (default: after the cached
+        positions) in ``cache`` (default: the engine's own).
 
         Args:
             logits: ``"last"`` (logits of the last position only, ``[B, 1, V]``) or ``"all"`` (``[B, T, V]``).
             use_cache: read and extend the KV cache (False: a stand-alone forward from position 0,
                 any batch size; used by evaluation).
         """
-        hidden, state = self.begin(input_ids, use_cache=use_cache)
+        if logits not in ("last", "all"):
+            raise InvalidArgumentError(f"logits must be 'last' or 'all', got {logits!r}")
+        hidden, state = self.begin(input_ids, start=start, cache=cache, use_cache=use_cache)
         hidden = self.run_layers(0, self.num_layers, hidden, state)
         self.commit(state)
         if logits == "last":
             hidden = hidden[:, -1:]
-        elif logits != "all":
-            raise InvalidArgumentError(f"logits must be 'last' or 'all', got {logits!r}")
         out = self.head(hidden)
         t = state.positions.shape[0]
         return ForwardOutput(out, StepStats(t, [self.num_layers] * t, time.perf_counter() - state.t0))
 
-    def prefill(self, input_ids: torch.Tensor) -> ForwardOutput:
-        """Process a prompt ``[B, T]`` at full depth; returns the last position's logits ``[B, 1, V]``."""
-        return self.forward(input_ids, logits="last")
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
+        """Process a prompt ``[B, T]`` at full depth from position 0 of ``cache`` (default: the engine's own,
+        which is emptied first); returns the last position's logits ``[B, 1, V]``."""
+        (cache or self.cache).reset()
+        return self.forward(input_ids, logits="last", start=0, cache=cache)
 
-    def decode_step(self, token_ids: torch.Tensor) -> ForwardOutput:
-        """One decode step: ``token_ids [B]`` or ``[B, 1]`` -> next-token logits ``[B, 1, V]``."""
+    def decode_step(self, token_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
+        """One decode step after the cached positions: ``token_ids [B]`` or ``[B, 1]`` -> next-token logits
+        ``[B, 1, V]``."""
         if token_ids.dim() == 1:
             token_ids = token_ids.unsqueeze(-1)
-        return self.forward(token_ids, logits="last")
+        return self.forward(token_ids, logits="last", cache=cache)

@@ -2,8 +2,8 @@
 
 The loop is split in two layers so that every decoding mode shares the text handling:
 
-- a *token source* yields :class:`TokenEvent` s (one per generated token): :func:`full_depth_tokens`
-  here; adaptive depth and speculative decoding provide their own;
+- a *token source* yields :class:`TokenEvent` s (one per generated token): the one loop of
+  :mod:`laserlm.runtime.loop` (:func:`~laserlm.runtime.loop.generate_tokens`) under any decoding mode;
 - :class:`Generation` turns a token source into streamed text, applies EOS / stop strings /
   ``max_new_tokens`` / the context limit, and collects the statistics (TTFT, tokens/s, layers per
   token) into a :class:`GenerationResult`.
@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import ContextLengthError, InvalidArgumentError
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -107,24 +107,6 @@ def eos_token_ids(model, tokenizer) -> set[int]:
             continue
         ids.update(v if isinstance(v, (list, tuple, set)) else [v])
     return {int(i) for i in ids}
-
-
-def full_depth_tokens(engine, prompt_ids: torch.Tensor, params: SamplingParams,
-                      max_tokens: int) -> Iterator[TokenEvent]:
-    """Token source for full-depth decoding: prefill, then one :meth:`Engine.decode_step` per token."""
-    generator = None if params.greedy else make_generator(params.seed)
-    engine.reset()
-    t0 = time.perf_counter()
-    out = engine.prefill(prompt_ids.unsqueeze(0))
-    token = sample(out.logits[:, -1], params, generator)
-    now = time.perf_counter()
-    yield TokenEvent(int(token), engine.num_layers, now - t0)
-    for _ in range(max_tokens - 1):
-        t0 = now
-        out = engine.decode_step(token)
-        token = sample(out.logits[:, -1], params, generator)
-        now = time.perf_counter()
-        yield TokenEvent(int(token), out.stats.layers_run[-1], now - t0)
 
 
 def _held_back(text: str, stops: list[str]) -> int:

@@ -1,17 +1,22 @@
-"""laserlm's preallocated KV cache.
+"""laserlm's preallocated KV cache and the write windows that forwards open on it.
 
 One key and one value tensor per decoder layer, each ``[B, n_kv_heads, max_len, head_dim]``,
-allocated once (gpt-fast's static cache). The engine sets the write window ``[start, end)`` before
-running layers; transformers attention modules call :meth:`KVCache.update` (the ``Cache.update``
-signature), which writes the new K/V in place and returns views of the first ``end`` positions.
-Nothing is reallocated per token; rolling back (speculative decoding) only moves ``length``.
+allocated once (gpt-fast's static cache). Every request owns one :class:`KVCache`
+(:meth:`laserlm.runtime.engine.Engine.new_cache`); the engine's own cache serves its simple
+``prefill`` / ``decode_step`` API.
+
+A forward writes the positions ``[start, end)`` through a :class:`CacheWindow` (the object the
+transformers attention modules receive as ``cache=``; it implements ``Cache.update``). The window belongs
+to the forward, not to the cache, so several forwards on one cache (the deferred bridge's 2-token
+forward, a speculative verify) never share hidden cursor state. ``length`` counts the committed
+positions; rolling back (speculative decoding) only moves it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import ContextLengthError
+from ..errors import ContextLengthError, InvalidArgumentError
 
 
 class KVCache:
@@ -26,7 +31,7 @@ class KVCache:
 
     Attributes:
         k, v: lists of ``[B, n_kv_heads, max_len, head_dim]`` tensors.
-        length: number of committed positions (the next token is written at ``length``).
+        length: number of committed positions (the next appended token is written at ``length``).
     """
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int, max_len: int,
@@ -37,46 +42,38 @@ class KVCache:
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0
-        self._start = 0
-        self._end = 0
 
-    # -- write window ------------------------------------------------------------------------
-    def begin(self, num_tokens: int) -> tuple[int, int]:
-        """Open the write window for ``num_tokens`` new positions; returns ``(start, end)``.
+    def window(self, start: int, num_tokens: int) -> CacheWindow:
+        """A write window for positions ``[start, start + num_tokens)``.
+
+        ``start`` may lie before ``length`` (rewriting positions: a deferred token's remaining layers, a
+        speculative verify) but not after it (no holes).
 
         Raises:
-            ContextLengthError: when the tokens do not fit in ``max_len``.
+            ContextLengthError: the tokens do not fit in ``max_len``.
+            InvalidArgumentError: ``start`` is negative or after the committed length.
         """
-        start, end = self.length, self.length + num_tokens
+        if not 0 <= start <= self.length:
+            raise InvalidArgumentError(f"cannot write at position {start}: the cache holds {self.length} positions "
+                                       "(a forward starts at or before the end of the cache)")
+        end = start + num_tokens
         if end > self.max_len:
             raise ContextLengthError(
-                f"context full: {self.length} cached + {num_tokens} new tokens > context size {self.max_len}"
-            )
-        self._start, self._end = start, end
-        return start, end
+                f"context full: {start} cached + {num_tokens} new tokens > context size {self.max_len}")
+        return CacheWindow(self, start, end)
 
-    def commit(self) -> None:
-        self.length = self._end
+    def commit(self, window: CacheWindow) -> None:
+        """Make the window's positions part of the cache (``length`` never moves back here)."""
+        self.length = max(self.length, window.end)
 
     def crop(self, length: int) -> None:
         """Forget every position at or after ``length`` (roll back rejected tokens)."""
         if not 0 <= length <= self.length:
-            raise ValueError(f"cannot crop a cache of length {self.length} to {length}")
+            raise InvalidArgumentError(f"cannot crop a cache of length {self.length} to {length}")
         self.length = length
-        self._start = self._end = length
 
     def reset(self) -> None:
         self.crop(0)
-
-    # -- transformers Cache protocol (what attention modules call) --------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write ``key_states``/``value_states`` ``[B, n_kv, T, hd]`` at ``[start, end)`` of layer
-        ``layer_idx``; return the layer's K and V for positions ``[0, end)``."""
-        s, e = self._start, self._end
-        k, v = self.k[layer_idx], self.v[layer_idx]
-        k[:, :, s:e].copy_(key_states)
-        v[:, :, s:e].copy_(value_states)
-        return k[:, :, :e], v[:, :, :e]
 
     def write(self, layer_idx: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write K/V ``[B, n_kv, T, hd]`` of layer ``layer_idx`` at ``[start, start+T)`` (bridges use this)."""
@@ -84,10 +81,31 @@ class KVCache:
         self.k[layer_idx][:, :, start:start + t].copy_(key_states)
         self.v[layer_idx][:, :, start:start + t].copy_(value_states)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
-
     @property
     def nbytes(self) -> int:
         """Bytes held by the preallocated K and V tensors."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class CacheWindow:
+    """The positions ``[start, end)`` of one forward on a :class:`KVCache` (transformers' ``Cache`` protocol).
+
+    Attributes:
+        cache: the cache written to; ``k``, ``v``: its per-layer tensors; ``start``, ``end``: the window.
+    """
+
+    def __init__(self, cache: KVCache, start: int, end: int):
+        self.cache, self.start, self.end = cache, start, end
+        self.k, self.v = cache.k, cache.v
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``key_states``/``value_states`` ``[B, n_kv, T, hd]`` at ``[start, end)`` of layer
+        ``layer_idx``; return the layer's K and V for positions ``[0, end)``."""
+        s, e = self.start, self.end
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        k[:, :, s:e].copy_(key_states)
+        v[:, :, s:e].copy_(value_states)
+        return k[:, :, :e], v[:, :, :e]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start

@@ -5,39 +5,51 @@ pruning, naive early exit (``laserlm.depth``) and self-speculative decoding regi
 :data:`MODES`. Generation, evaluation and benchmarks only talk to this interface, so every metric
 runs for every configuration.
 
+A mode is a stateless, validated config: what changes while a request runs (patience streak, pending
+token, draft statistics) lives in the request's ``state`` (:mod:`laserlm.runtime.request`), which the mode
+creates in ``new_state``. Generation drives every mode through the one loop of :mod:`laserlm.runtime.loop`.
+
 A mode is written as a spec string ``NAME[:key=value,key=value...]``, e.g. ``full``,
 ``adaptive:policy=confidence,threshold=0.9`` or ``speculative:draft_layers=12,k=4``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
 from ..errors import InvalidArgumentError
-from .generate import TokenEvent, full_depth_tokens
-from .sampling import SamplingParams
+from .loop import Emitted
 
 
 @dataclass
 class ScoreOutput:
     """Teacher-forced scoring of a sequence: ``logits [T, V]`` float32 predicting positions 1..T,
-    and ``layers [T]`` decoder layers run per position."""
+    ``layers [T]`` decoder layers run per position, and the per-position step details (``infos``,
+    when the mode reports them)."""
 
     logits: torch.Tensor
     layers: torch.Tensor
+    infos: list[dict] = field(default_factory=list)
 
 
 class DecodingMode(Protocol):
-    """What a decoding mode provides. ``engine`` is a :class:`~laserlm.runtime.engine.Engine`."""
+    """What a decoding mode provides. ``engine`` is a :class:`~laserlm.runtime.engine.Engine`, ``request`` a
+    :class:`~laserlm.runtime.request.Request`; ``prefill`` and ``step`` return
+    :class:`~laserlm.runtime.loop.Emitted` tokens."""
 
     name: str
 
-    def tokens(self, engine, prompt_ids: torch.Tensor, params: SamplingParams,
-               max_tokens: int) -> Iterator[TokenEvent]:
-        """Generate up to ``max_tokens`` tokens after ``prompt_ids [T]`` (resets the engine's cache)."""
+    def new_state(self, engine, request):
+        """The per-request state this mode keeps in ``request.state`` (or ``None``)."""
+
+    def prefill(self, engine, request) -> list:
+        """Run the prompt into ``request.cache``; return the first generated token(s)."""
+
+    def step(self, engine, request) -> list:
+        """Feed ``request.last_token``; return the next token(s) (at most ``request.remaining``)."""
 
     def score(self, engine, input_ids: torch.Tensor) -> ScoreOutput:
         """Teacher-forced logits of every position of ``input_ids [T]`` under this mode."""
@@ -48,8 +60,16 @@ class FullDepth:
 
     name = "full"
 
-    def tokens(self, engine, prompt_ids, params, max_tokens):
-        return full_depth_tokens(engine, prompt_ids, params, max_tokens)
+    def new_state(self, engine, request):
+        return None
+
+    def prefill(self, engine, request):
+        out = engine.prefill(request.prompt_ids.unsqueeze(0), cache=request.cache)
+        return [Emitted(request.sample(out.logits[0, -1]), engine.num_layers)]
+
+    def step(self, engine, request):
+        out = engine.decode_step(torch.tensor([request.last_token]), cache=request.cache)
+        return [Emitted(request.sample(out.logits[0, -1]), out.stats.layers_run[-1])]
 
     @torch.inference_mode()
     def score(self, engine, input_ids):

@@ -125,7 +125,7 @@ def _native_layer(layer, hidden, cos, sin, cache):
         return None
     norms, eps, mats, fmts, bias, h, hkv, hd, scaling, window, act, inter = args
     out = ops.decode_layer(hidden, norms, eps, mats, fmts, bias, cos[0], sin[0], cache.k[idx], cache.v[idx],
-                           cache._start, h, hkv, hd, scaling, window, act, inter)
+                           cache.start, h, hkv, hd, scaling, window, act, inter)
     return out
 
 

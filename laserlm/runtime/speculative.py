@@ -51,14 +51,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from ..errors import InvalidArgumentError
-from .generate import TokenEvent
+from .loop import Emitted
 from .modes import FullDepth, ScoreOutput, register_mode
-from .sampling import SamplingParams, check_finite, make_generator, probabilities
+from .sampling import check_finite, probabilities
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -180,20 +180,48 @@ class SpeculativeDecoding:
         return {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
                 "reuse": self.reuse, "exit_head": self.exit_head_name}
 
-    def tokens(self, engine, prompt_ids: torch.Tensor, params: SamplingParams, max_tokens: int) -> SpeculativeRun:
-        """Generate up to ``max_tokens`` tokens after ``prompt_ids [T]``; resets the engine's cache.
-
-        Returns an iterator of :class:`TokenEvent` (one per emitted token) with a ``summary()`` of the
-        acceptance statistics. ``TokenEvent.layers`` is the cycle's sequential decoder-layer passes
-        (draft steps x N + verify depth) divided by the tokens it emitted.
-
-        Raises:
-            InvalidArgumentError: the engine's model has a different number of layers than the mode was built for.
-        """
+    def _check_engine(self, engine) -> None:
         if engine.num_layers != self.num_layers:
             raise InvalidArgumentError(f"this speculative mode was built for a {self.num_layers}-layer model, "
                                        f"the engine has {engine.num_layers} layers")
-        return SpeculativeRun(self, engine, prompt_ids, params, max_tokens)
+
+    # -- the mode interface: per-request state is the request's SpeculativeStats -----------------
+    def new_state(self, engine, request=None) -> SpeculativeStats:
+        """Raises InvalidArgumentError: the engine's model has another number of layers than the mode's."""
+        self._check_engine(engine)
+        return SpeculativeStats()
+
+    @torch.inference_mode()
+    def prefill(self, engine, request) -> list[Emitted]:
+        t0 = time.perf_counter()
+        out = engine.prefill(request.prompt_ids.unsqueeze(0), cache=request.cache)
+        cur = self._pick(request, out.logits[0, -1])
+        request.state.prefill_s = time.perf_counter() - t0
+        return [Emitted(cur, engine.num_layers, {"kind": "prefill"})]
+
+    @torch.inference_mode()
+    def step(self, engine, request) -> list[Emitted]:
+        """One draft + verify cycle from ``request.last_token``. ``Emitted.layers`` is the cycle's sequential
+        decoder-layer passes (draft steps x N + verify depth) divided by the tokens it emitted."""
+        st = request.state
+        cache = request.cache
+        room = cache.max_len - cache.length - 1  # positions left after cur's
+        k = max(min(self.k, request.remaining - 1, room), 0)
+        emitted, drafted, layers = self._cycle(engine, request, request.last_token, k)
+        accepted = len(emitted) - 1
+        out = []
+        for i, tok in enumerate(emitted):
+            kind = "accepted" if i < accepted else ("bonus" if accepted == drafted else "correction")
+            out.append(Emitted(tok, layers / len(emitted),
+                               {"cycle": st.cycles - 1, "drafted": drafted, "accepted": accepted, "kind": kind}))
+        return out
+
+    def summary(self, request) -> dict:
+        """``{"speculative": {config..., counters..., rates...}}`` (merged into ``GenerationResult.extra``)."""
+        out = {**self.config(), **request.state.summary()}
+        if self.calibration is not None:
+            out["calibration"] = self.calibration
+        return {"speculative": out}
 
     @torch.inference_mode()
     def score(self, engine, input_ids: torch.Tensor) -> ScoreOutput:
@@ -201,67 +229,18 @@ class SpeculativeDecoding:
         model's (computed at full depth; ``layers`` = L for every position)."""
         return FullDepth().score(engine, input_ids)
 
-
-class SpeculativeRun:
-    """Iterator of :class:`TokenEvent` for one speculative generation; ``summary()`` gives the stats."""
-
-    def __init__(self, mode: SpeculativeDecoding, engine, prompt_ids, params, max_tokens: int):
-        self.mode, self.engine, self.params = mode, engine, params
-        self.stats = SpeculativeStats()
-        self._it = self._run(prompt_ids, max_tokens)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> TokenEvent:
-        return next(self._it)
-
-    def summary(self) -> dict:
-        """``{"speculative": {config..., counters..., rates...}}`` (merged into ``GenerationResult.extra``)."""
-        out = {**self.mode.config(), **self.stats.summary()}
-        if self.mode.calibration is not None:
-            out["calibration"] = self.mode.calibration
-        return {"speculative": out}
-
-    # -- the loop ----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def _run(self, prompt_ids: torch.Tensor, max_tokens: int) -> Iterator[TokenEvent]:
-        engine, params, st = self.engine, self.params, self.stats
-        gen = None if params.greedy else make_generator(params.seed)
-        engine.reset()
-        t0 = time.perf_counter()
-        out = engine.prefill(prompt_ids.unsqueeze(0))
-        cur = self._pick(out.logits[0, -1], gen)
-        now = time.perf_counter()
-        st.prefill_s = now - t0
-        yield TokenEvent(cur, engine.num_layers, now - t0, {"kind": "prefill"})
-        n = 1
-        while n < max_tokens:
-            room = engine.max_seq_len - engine.position - 1  # positions left after cur's
-            k = min(self.mode.k, max_tokens - n - 1, room)
-            t0 = time.perf_counter()
-            emitted, drafted, layers = self._cycle(cur, max(k, 0), gen)
-            now = time.perf_counter()
-            accepted = len(emitted) - 1
-            for i, tok in enumerate(emitted):
-                kind = "accepted" if i < accepted else ("bonus" if accepted == drafted else "correction")
-                info = {"cycle": st.cycles, "drafted": drafted, "accepted": accepted, "kind": kind}
-                yield TokenEvent(tok, layers / len(emitted), (now - t0) if i == 0 else 0.0, info)
-            n += len(emitted)
-            cur = emitted[-1]
-
-    def _pick(self, logits: torch.Tensor, gen) -> int:
+    def _pick(self, request, logits: torch.Tensor) -> int:
         """A token from full-model ``logits [V]`` (greedy or filtered sampling)."""
-        if self.params.greedy:
+        if request.params.greedy:
             return int(check_finite(logits).argmax())
-        return int(torch.multinomial(probabilities(logits, self.params), 1, generator=gen))
+        return int(torch.multinomial(probabilities(logits, request.params), 1, generator=request.generator))
 
-    def _cycle(self, cur: int, k: int, gen) -> tuple[list[int], int, float]:
+    def _cycle(self, engine, request, cur: int, k: int) -> tuple[list[int], int, float]:
         """One draft + verify cycle from ``cur``; returns (emitted tokens, drafted count, layer passes)."""
-        engine, mode, params, st = self.engine, self.mode, self.params, self.stats
-        n_draft, n_layers = mode.draft_layers, engine.num_layers
-        head = mode.exit_head or engine.head
-        start = engine.position
+        params, st, cache, gen = request.params, request.state, request.cache, request.generator
+        n_draft, n_layers = self.draft_layers, engine.num_layers
+        head = self.exit_head or engine.head
+        start = cache.length
         # 1. draft: step j feeds x_j (x_0 = cur) at start + j through layers < N
         t0 = time.perf_counter()
         drafts: list[int] = []
@@ -270,9 +249,9 @@ class SpeculativeRun:
         x = cur
         steps = 0
         for j in range(k + 1):
-            if j == k and not mode.reuse:
+            if j == k and not self.reuse:
                 break  # without reuse the verify computes the last draft's lower layers itself
-            h, state = engine.begin(torch.tensor([[x]]))
+            h, state = engine.begin(torch.tensor([[x]]), start=start + j, cache=cache)
             h = engine.run_layers(0, n_draft, h, state)
             engine.commit(state)
             steps += 1
@@ -280,7 +259,7 @@ class SpeculativeRun:
             if j == k:
                 break  # the last draft only needs its layer-N hidden state (for reuse)
             logits = check_finite(head(h)[0, -1].float())
-            if mode.threshold > 0 and float(torch.softmax(logits, dim=-1).max()) < mode.threshold:
+            if self.threshold > 0 and float(torch.softmax(logits, dim=-1).max()) < self.threshold:
                 break
             if params.greedy:
                 x = int(logits.argmax())
@@ -291,10 +270,9 @@ class SpeculativeRun:
             drafts.append(x)
         m = len(drafts)
         t1 = time.perf_counter()
-        # 2. verify [cur, d1..dm] at full depth (positions start .. start+m)
-        engine.truncate(start)
-        h_in, state = engine.begin(torch.tensor([[cur] + drafts]))
-        if mode.reuse:
+        # 2. verify [cur, d1..dm] at full depth (positions start .. start+m), rewriting the drafted positions
+        h_in, state = engine.begin(torch.tensor([[cur] + drafts]), start=start, cache=cache)
+        if self.reuse:
             h = engine.run_layers(n_draft, n_layers, torch.cat(hiddens[: m + 1], dim=1), state)
         else:
             h = engine.run_layers(0, n_layers, h_in, state)
@@ -324,7 +302,7 @@ class SpeculativeRun:
             if last is None:
                 last = int(torch.multinomial(p[m], 1, generator=gen))
         # 4. roll back rejected positions: keep cur and the accepted drafts
-        engine.truncate(start + a + 1)
+        engine.truncate(start + a + 1, cache=cache)
         t2 = time.perf_counter()
         st.cycles += 1
         st.drafted += m
@@ -333,7 +311,7 @@ class SpeculativeRun:
         st.draft_steps += steps
         st.draft_s += t1 - t0
         st.verify_s += t2 - t1
-        layers = steps * n_draft + (n_layers - n_draft if mode.reuse else n_layers)
+        layers = steps * n_draft + (n_layers - n_draft if self.reuse else n_layers)
         return drafts[:a] + [last], m, float(layers)
 
 
@@ -440,5 +418,5 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
 
 register_mode("speculative", make_speculative)
 
-__all__ = ["SpeculativeDecoding", "SpeculativeRun", "SpeculativeStats", "make_speculative", "laser_exit_head",
+__all__ = ["SpeculativeDecoding", "SpeculativeStats", "make_speculative", "laser_exit_head",
            "ExitHead"]

@@ -32,6 +32,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
+from .loop import greedy_ids
+from .modes import FullDepth
 
 DATA_DIR = Path(os.environ.get("LASERLM_DATA", "/work/shared/data"))
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9)
@@ -71,12 +73,7 @@ def greedy_traces(engine, prompts, gen_tokens: int, depths, exit_head, on_prompt
     head = exit_head or engine.head
     traces = []
     for ids in prompts:
-        engine.reset()
-        out = engine.prefill(torch.tensor([ids]))
-        toks = [int(out.logits[0, -1].argmax())]
-        for _ in range(gen_tokens - 1):
-            toks.append(int(engine.decode_step(torch.tensor([toks[-1]])).logits[0, -1].argmax()))
-        engine.reset()
+        toks = greedy_ids(engine, FullDepth(), torch.tensor(ids), gen_tokens)
         seq = torch.tensor([ids + toks])
         h, state = engine.begin(seq, use_cache=False)
         p0 = len(ids) - 1  # position whose prediction is the first generated token

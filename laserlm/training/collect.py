@@ -78,7 +78,7 @@ class ExitStates:
         chunk: ``[N]`` index of the chunk each position came from (splits are made by chunk).
         ats: ``[N]`` attention transition score at decoder layer ``ats_layer`` (head-mean cosine of a
             position's attention distribution with the previous position's; 0 at a chunk's first
-            position, like :func:`laserlm.depth.heads.gate_scalars` when it is absent), or ``None``.
+            position, like :func:`laserlm.depth.heads.gate_scalars_batch` when it is absent), or ``None``.
         ats_layer: the decoder layer index the ATS was measured at.
     """
 

@@ -1,7 +1,7 @@
 """Training of exit gates: the depth package's :class:`~laserlm.depth.heads.ExitGate` per exit point.
 
 A gate predicts "the exit head's top-1 equals the full model's top-1" from the (RMS-normalised)
-hidden state and six scalars (:func:`laserlm.depth.heads.gate_scalars`: exit-head max prob, top-2
+hidden state and six scalars (:func:`laserlm.depth.heads.gate_scalars_batch`: exit-head max prob, top-2
 margin, normalised entropy (CALM), saturation (CALM "state"), the attention transition score (seed
 004) and the relative depth). Trained with the binary focal loss (Lin et al. 2017), as seed 004 does,
 because most positions are easy: the exit is either clearly right or clearly wrong.

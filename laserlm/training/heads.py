@@ -5,9 +5,8 @@ tuned lens of Belrose et al. 2023 ("Eliciting Latent Predictions from Transforme
 Lens"): ``affine`` (``h -> W h + b``, ``W = I``) or ``lowrank`` (``h -> h + U D h``, ``U = 0``). Only the
 adapter's parameters are trained; the base model's norm and LM head stay frozen and shared.
 
-The vectorised gate features (:func:`gate_scalars_batch`) reproduce
-:func:`laserlm.depth.heads.gate_scalars` for many positions at once, so gates trained here see exactly
-the features the adaptive scheduler computes at run time.
+The gate features (:func:`gate_scalars_batch`) are the depth package's own, so gates trained here see
+exactly the features the adaptive scheduler computes at run time.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
+from ..runtime.loop import greedy_ids
+from ..runtime.modes import FullDepth
 from .losses import focal_loss
 
 ROUTER_LAYER = 1  # pooled hidden state after the first decoder layer (seed 004)
@@ -64,18 +66,9 @@ def pooled_first_layer(engine, prompt_ids: torch.Tensor) -> torch.Tensor:
     return h[0].float().mean(0)
 
 
-@torch.inference_mode()
 def greedy_continuation(engine, prompt_ids: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n]`` full-depth greedy tokens after ``prompt_ids [T]`` (uses and resets the engine's cache)."""
-    engine.reset()
-    logits = engine.prefill(prompt_ids.reshape(1, -1)).logits
-    out = []
-    for _ in range(n):
-        tok = logits[0, -1].argmax()
-        out.append(int(tok))
-        logits = engine.decode_step(tok.reshape(1)).logits
-    engine.reset()
-    return torch.tensor(out, dtype=torch.long)
+    """``[n]`` full-depth greedy tokens after ``prompt_ids [T]`` (the one generation loop, its own cache)."""
+    return torch.tensor(greedy_ids(engine, FullDepth(), prompt_ids.reshape(-1), n), dtype=torch.long)
 
 
 @torch.inference_mode()

@@ -175,7 +175,7 @@ class ExitOutputs:
         agree: ``exit -> [N]`` bool, exit head top-1 == full-model top-1.
         kl: ``exit -> [N]`` ``KL(p_full || p_exit)`` in nats.
         nll: ``exit -> [N]`` negative log-likelihood of the text's next token under the exit head.
-        scalars: ``exit -> [N, 6]`` gate scalars (:func:`laserlm.depth.heads.gate_scalars`).
+        scalars: ``exit -> [N, 6]`` gate scalars (:func:`laserlm.depth.heads.gate_scalars_batch`).
         full_nll: ``[N]`` the full model's NLL of the next token.
     """
 

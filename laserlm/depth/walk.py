@@ -1,0 +1,145 @@
+"""The walk over layer groups: the one exit rule that every adaptive-depth path runs.
+
+A *walk* takes ``n`` rows (tokens) through the layer groups. After each group it asks the policy, for all
+rows still running at once, whether they may stop (:meth:`ExitPolicy.decide_batch
+<laserlm.depth.policies.ExitPolicy.decide_batch>`), applying the schedule rules of the seed's Laser layer
+scheduler on the way:
+
+- **min depth**: only groups at or above it are exit points (:meth:`LayerGroups.can_exit`);
+- **router cap** (seed 004's DynamicRouter): a row stops at its route's exit point at the latest;
+- **patience lock**: a row locked at group ``g`` skips the checks before ``g`` and is checked only there; if it
+  fails there it runs to full depth without further checks (``WalkResult.lock_failed``).
+
+How the layers run is the caller's: a callback ``run_group(g, a, b, exited) -> (hidden_in, hidden, ats)`` runs
+(or looks up) decoder layers ``a .. b-1`` for the rows. Decoding calls the walk with one row per token
+(:mod:`laserlm.depth.scheduler`, a single token is a batch of one), replayed scoring with one row per position
+over precomputed states, and batched scoring (:mod:`laserlm.depth.batched`) with one row per sequence. The
+patience streak across tokens is :func:`update_patience`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .policies import BatchPoint
+
+# run_group(g, a, b, exited [n] bool) -> (hidden_in [n, d], hidden [n, d], ats [n] or None)
+RunGroup = Callable[[int, int, int, torch.Tensor], tuple]
+
+
+@dataclass
+class WalkResult:
+    """Per row: ``exit_group`` / ``exit_layer`` ``[n]`` long (the last group / L at full depth), ``exited``
+    ``[n]`` bool (stopped before full depth), ``logits [n, V]`` float32 (the exit head's, or the final head's),
+    ``head_evals [n]`` exit-head evaluations, ``lock_failed [n]`` bool (the patience lock's check failed)."""
+
+    exit_group: torch.Tensor
+    exit_layer: torch.Tensor
+    exited: torch.Tensor
+    logits: torch.Tensor
+    head_evals: torch.Tensor
+    lock_failed: torch.Tensor
+
+
+def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: Callable, n: int,
+                run_group: RunGroup, *, locked: torch.Tensor | None = None, route: torch.Tensor | None = None,
+                live: torch.Tensor | None = None, finish: bool = False) -> WalkResult:
+    """Walk ``n`` rows through ``groups`` (:class:`~laserlm.depth.groups.LayerGroups`) under ``policy``.
+
+    Args:
+        head_at: ``layer -> fn(hidden [m, d]) -> logits [m, V]``, the exit head at an exit point.
+        final_head: the head after the last layer (rows that never exit).
+        run_group: see the module docstring; called for every group in order until every row has exited
+            (to the last group when ``finish``: batched scoring keeps running layers on exited rows).
+        locked: ``[n]`` long, the patience lock's group per row (-1: none).
+        route: ``[n]`` long, the router's depth cap per row in layers (L: none).
+        live: ``[n]`` bool, rows that may exit at all (default: all).
+    """
+    bounds = groups.bounds
+    L = groups.num_layers
+    locked = torch.full((n,), -1, dtype=torch.long) if locked is None else locked
+    route = torch.full((n,), L, dtype=torch.long) if route is None else route
+    live = torch.ones(n, dtype=torch.bool) if live is None else live
+    exit_group = torch.full((n,), -1, dtype=torch.long)
+    checks_on = torch.ones(n, dtype=torch.bool)
+    lock_failed = torch.zeros(n, dtype=torch.bool)
+    head_evals = torch.zeros(n, dtype=torch.long)
+    logits = None
+    ats = None
+    h = None
+    for g, (a, b) in enumerate(bounds):
+        exited = exit_group >= 0
+        if not finish and bool(exited.all()):
+            break
+        h_in, h, ats_g = run_group(g, a, b, exited)
+        ats = ats_g if ats_g is not None else ats
+        if b == L:
+            break
+        running = live & ~exited
+        cap = running & (route <= b)  # the router's depth for this request is a hard cap
+        eligible = running & ~cap & checks_on & (locked <= g) if groups.can_exit(g) else torch.zeros_like(cap)
+        point = BatchPoint(g, b, L, h, h_in, head_at(b), ats, head_evals=head_evals)
+        go = torch.zeros(n, dtype=torch.bool)
+        rows = torch.nonzero(eligible).flatten()
+        if rows.numel():
+            sub = point if rows.numel() == n else point.select(rows)
+            go[rows] = policy.decide_batch(sub)
+            if sub is not point and sub._logits is not None:
+                point._logits = torch.zeros(n, sub._logits.shape[-1])
+                point._logits[rows] = sub._logits
+        fail = eligible & ~go & (locked == g)  # the patience lock fails: full depth, checks resume next token
+        checks_on &= ~fail
+        lock_failed |= fail
+        new = cap | go
+        if bool(new.any()):
+            idx = torch.nonzero(new).flatten()
+            if point._logits is not None and bool(eligible[idx].all()):
+                lg = point._logits[idx]
+            else:
+                lg = point.head(h[idx]).float()
+                head_evals[idx] += 1
+            if logits is None:
+                logits = torch.empty(n, lg.shape[-1])
+            logits[idx] = lg
+            exit_group[idx] = g
+    exited = exit_group >= 0
+    rest = torch.nonzero(~exited).flatten()
+    if rest.numel():
+        lg = final_head(h[rest]).float()
+        if logits is None:
+            logits = torch.empty(n, lg.shape[-1])
+        logits[rest] = lg
+    exit_layer = torch.tensor([bounds[int(e)][1] if e >= 0 else L for e in exit_group], dtype=torch.long)
+    exit_group = torch.where(exited, exit_group, torch.full_like(exit_group, len(bounds) - 1))
+    return WalkResult(exit_group, exit_layer, exited, logits, head_evals, lock_failed)
+
+
+@dataclass
+class PatienceState:
+    """Streak of consecutive tokens exiting at ``group``; ``locked`` is the group being skipped to."""
+
+    group: int | None = None
+    streak: int = 0
+    locked: int | None = None
+
+
+def update_patience(state: PatienceState, patience: int, exit_group: int | None, lock_failed: bool) -> PatienceState:
+    """The seed's patience rule after one token (``exit_group`` ``None`` = full depth): after ``patience``
+    consecutive tokens exit at the same group, later tokens are locked to it; a failed lock check resets the
+    streak. Returns the new state."""
+    locked = state.locked
+    if lock_failed:
+        return PatienceState()
+    if exit_group is None:
+        return PatienceState() if locked is None else state
+    if locked is None:
+        if state.group == exit_group:
+            state.streak += 1
+        else:
+            state.group, state.streak = exit_group, 1
+        if patience and state.streak >= patience:
+            state.locked = exit_group
+    return state

@@ -1,0 +1,97 @@
+"""The one generation loop: prefill, then step until the request has its tokens.
+
+Every decoding mode plugs into it through three calls (:class:`~laserlm.runtime.modes.DecodingMode`):
+``new_state(engine, request)``, ``prefill(engine, request)`` and ``step(engine, request)``; the last two
+return the tokens they emitted as :class:`Emitted` (one for full depth and adaptive depth, several for a
+speculative cycle). The loop times them, appends the tokens to the request and yields
+:class:`~laserlm.runtime.generate.TokenEvent` s; :class:`~laserlm.runtime.generate.Generation` turns those
+into text. A scheduler that interleaves requests calls the same two functions, one request at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from .generate import TokenEvent
+from .request import Request, new_request
+from .sampling import SamplingParams
+
+
+@dataclass
+class Emitted:
+    """A token a mode produced: ``layers`` = decoder layers its forward ran (fractional when one forward
+    produced several tokens), ``info`` = mode-specific details."""
+
+    token_id: int
+    layers: float
+    info: dict = field(default_factory=dict)
+
+
+def start(engine, mode, request: Request) -> list[Emitted]:
+    """Give ``request`` its mode state and run its prompt; returns the first token(s)."""
+    request.state = mode.new_state(engine, request)
+    return _take(request, mode.prefill(engine, request))
+
+
+def advance(engine, mode, request: Request) -> list[Emitted]:
+    """One step of ``request`` (it must have been started and have ``remaining > 0``)."""
+    return _take(request, mode.step(engine, request))
+
+
+def _take(request: Request, emitted: list[Emitted]) -> list[Emitted]:
+    emitted = emitted[:max(request.remaining, 0)]
+    for e in emitted:
+        request.output_ids.append(int(e.token_id))
+        request.infos.append(e.info)
+    return emitted
+
+
+class RequestRun:
+    """Iterator of :class:`TokenEvent` for one request under one mode; ``summary()`` gives the mode's
+    aggregate statistics (merged into ``GenerationResult.extra``). ``TokenEvent.seconds`` of the first token
+    of a step is the step's wall time (the first: TTFT), of the others 0."""
+
+    def __init__(self, engine, mode, request: Request):
+        self.engine, self.mode, self.request = engine, mode, request
+        self._it = self._run()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._it)
+
+    def summary(self) -> dict:
+        fn = getattr(self.mode, "summary", None)
+        return fn(self.request) if fn is not None else {}
+
+    @torch.inference_mode()
+    def _run(self) -> Iterator[TokenEvent]:
+        req = self.request
+        if req.max_tokens <= 0:
+            return
+        t0 = time.perf_counter()
+        emitted = start(self.engine, self.mode, req)
+        while True:
+            now = time.perf_counter()
+            for i, e in enumerate(emitted):
+                yield TokenEvent(e.token_id, e.layers, (now - t0) if i == 0 else 0.0, e.info)
+            if req.remaining <= 0:
+                return
+            t0 = now
+            emitted = advance(self.engine, self.mode, req)
+
+
+def generate_tokens(engine, mode, prompt_ids: torch.Tensor, params: SamplingParams, max_tokens: int) -> RequestRun:
+    """Generate up to ``max_tokens`` tokens after ``prompt_ids [T]`` with ``mode``, in a new request."""
+    return RequestRun(engine, mode, new_request(engine, prompt_ids, params, max_tokens))
+
+
+def greedy_ids(engine, mode, prompt_ids: torch.Tensor, n: int) -> list[int]:
+    """The ``n`` greedy tokens ``mode`` generates after ``prompt_ids [T]`` (no EOS stop)."""
+    params = SamplingParams(max_new_tokens=max(n, 1), ignore_eos=True)
+    return [ev.token_id for ev in generate_tokens(engine, mode, prompt_ids, params, n)]

@@ -1,0 +1,72 @@
+"""A request: everything one generation carries (vLLM's ``Request``; gpt-fast's explicit positions).
+
+Tokens, its own KV cache (so positions are the request's, never an engine cursor), sampling parameters and
+RNG, the decoding mode's per-request state (patience streak, pending deferred token, draft statistics ...),
+the length limit and the per-token details. Modes are stateless configs: everything that changes while a
+request runs lives here, so two requests with different modes can be stepped in turn on one engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .sampling import SamplingParams, make_generator, sample
+
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One generation.
+
+    Attributes:
+        prompt_ids: ``[T]`` int64 prompt tokens.
+        params: validated sampling parameters.
+        max_tokens: tokens to generate at most (already limited by the context).
+        cache: the request's KV cache (positions ``0 .. cache.length-1`` are computed).
+        generator: the sampling RNG (``None`` for greedy decoding).
+        output_ids: generated tokens so far.
+        state: the decoding mode's per-request state (``mode.new_state``).
+        infos: the per-token ``info`` dicts the mode reported (for its ``summary``).
+        request_id: a process-unique id.
+    """
+
+    prompt_ids: torch.Tensor
+    params: SamplingParams
+    max_tokens: int
+    cache: KVCache
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    state: object = None
+    infos: list[dict] = field(default_factory=list)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+
+    @property
+    def last_token(self) -> int:
+        """The newest generated token (the next one fed to the model)."""
+        return self.output_ids[-1]
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still allowed."""
+        return self.max_tokens - len(self.output_ids)
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """A token from ``logits [V]`` under this request's sampling parameters and RNG."""
+        return int(sample(logits.reshape(1, -1), self.params, self.generator)[0])
+
+
+def new_request(engine, prompt_ids: torch.Tensor, params: SamplingParams, max_tokens: int) -> Request:
+    """A request with a fresh KV cache of ``len(prompt) + max_tokens`` positions on ``engine``.
+
+    Raises:
+        ContextLengthError: the prompt plus ``max_tokens`` exceed the engine's context.
+    """
+    ids = prompt_ids.reshape(-1)
+    cache = engine.new_cache(ids.shape[0] + max(int(max_tokens), 0))
+    gen = None if params.greedy else make_generator(params.seed)
+    return Request(ids, params, int(max_tokens), cache, gen)
