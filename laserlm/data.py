@@ -169,9 +169,9 @@ def resolve(data: str | os.PathLike | None = None, default: str | None = None, *
                 return p
             if (p / default).exists():
                 return p / default
-            raise DataFileError(f"{flag} {p}: the directory has no {default} ({what}); pass the file itself or a "
-                                f"data directory laid out like ../shared/data")
-        raise DataFileError(f"{flag} {data}: no such file or directory (expected {SYNTAX})")
+            raise DataFileError(f"{what} not found: {p / default} ({flag} {p} is a directory without {default}; "
+                                f"pass the file itself or a data directory laid out like ../shared/data)")
+        raise DataFileError(f"{what} not found: {data} ({flag}: no such file or directory; expected {SYNTAX})")
     r = _root()
     if r is None:
         raise _nothing_found(what, flag)

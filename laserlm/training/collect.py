@@ -12,7 +12,6 @@ refused so that reported numbers stay unseen.
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 from pathlib import Path
 
