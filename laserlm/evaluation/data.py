@@ -28,8 +28,9 @@ from pathlib import Path
 from ..data import HFDataset, data_root, read_rows, read_text, resolve
 from ..errors import DataFileError, InvalidArgumentError
 
-__all__ = ["DataFileError", "ChoiceItem", "LambadaItem", "TASK_FILES", "HF_TASKS", "default_data_dir", "task_source",
-           "task_paths", "load_task", "read_wikitext", "read_lambada", "read_hellaswag", "read_arc", "read_piqa"]
+__all__ = ["DataFileError", "ChoiceItem", "LambadaItem", "TASK_FILES", "HF_TASKS", "default_data_dir",
+           "task_source", "task_paths", "load_task", "read_wikitext", "read_lambada", "read_hellaswag", "read_arc",
+           "read_piqa"]
 
 
 @dataclass
