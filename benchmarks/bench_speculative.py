@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(os.environ.get("LASERLM_DATA", "/work/shared/data"))
+from laserlm.data import find_data_root
+
+DATA = find_data_root() or Path("shared-data-not-found")  # $LASERLM_DATA or ../shared/data (laserlm.data)
 DEFAULT_CONFIGS = [
     "draft_layers=26,k=1,threshold=0.9",
     "draft_layers=26,k=2,threshold=0.0",

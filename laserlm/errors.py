@@ -14,6 +14,11 @@ class ModelNotFoundError(LaserLMError, FileNotFoundError):
     """An unknown bundled model name, or a path that does not exist."""
 
 
+class DataFileError(LaserLMError, FileNotFoundError):
+    """A data file (evaluation or calibration text, a data directory, a Hugging Face dataset) is missing or
+    cannot be read or parsed; the message names the flag or environment variable that chooses it."""
+
+
 class CorruptModelError(LaserLMError):
     """A model or artifact file exists but cannot be read."""
 

@@ -444,6 +444,9 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     thr = art.thresholds["gate_threshold"]
     assert 0 <= thr <= 1
     # resume with another target reuses the trained modules (identical heads) and re-calibrates
+    work = tmp_path / "tiny.safetensors.work"
+    mtimes = {p.name: p.stat().st_mtime_ns for p in work.glob("*.pt") if not p.name.startswith("propagate")}
+    assert set(mtimes) == {"collect.pt", "heads.pt", "gates.pt", "joint.pt", "router.pt", "outputs.pt"}
     cfg.target_agreement = 0.3
     s2 = calibrate(lm, cfg, tmp_path / "tiny2.safetensors", resume=True, progress=False,
                    work_dir=tmp_path / "tiny.safetensors.work")
@@ -451,7 +454,13 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     h = torch.randn(3, 32)
     assert torch.equal(art2.heads[4](h), art.heads[4](h))
     assert s2["calibration"]["target"]["value"] == 0.3
-    # resume with other training settings is refused
+    assert {n: (work / n).stat().st_mtime_ns for n in mtimes} == mtimes  # no stage ran again
+    # resume with other head settings retrains the heads and everything that reads them, not the collection
+    manifest = json.loads((tmp_path / "tiny.safetensors.work" / "manifest.json").read_text())["stages"]
+    assert set(manifest) == {"collect", "heads", "gates", "joint", "router", "outputs"}
     cfg.heads.steps = 6
-    with pytest.raises(InvalidArgumentError, match="different settings"):
-        calibrate(lm, cfg, out, resume=True, progress=False)
+    s3 = calibrate(lm, cfg, out, resume=True, progress=False)
+    after = json.loads((tmp_path / "tiny.safetensors.work" / "manifest.json").read_text())["stages"]
+    assert after["collect"] == manifest["collect"]
+    assert all(after[k]["hash"] != manifest[k]["hash"] for k in ("heads", "gates", "joint", "router", "outputs"))
+    assert s3["settings"]["heads"]["steps"] == 6 and len(s3["per_exit"]) == 3

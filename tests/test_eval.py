@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from laserlm.cli import main
+from laserlm.data import find_data_root
 from laserlm.errors import InvalidArgumentError, LaserLMError
 from laserlm.evaluation import data as D
 from laserlm.evaluation.scoring import Scorer, encode_pair
 from laserlm.evaluation.tasks import EvalSettings, Evaluator, text_windows
 from laserlm.runtime.modes import FullDepth, ScoreOutput, register_mode
 
-REAL = D.default_data_dir()
+REAL = find_data_root() or Path("no-shared-data")  # the shared data directory, if configured
 TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ storey building , and the tallest "
         "structure in Paris . Its base is square , measuring 125 metres on each side .\n")
 

@@ -17,16 +17,33 @@ TASK = ("There is an important info hidden inside a lot of irrelevant text. Find
         "I will quiz you about the important information there.")
 GARBAGE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 QUESTION = "What is the pass key? The pass key is"
-ESSAYS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "needle_haystack" / "gkamradt_PaulGrahamEssays"
+ESSAYS = "needle_haystack/gkamradt_PaulGrahamEssays"  # under the data directory (see laserlm.data)
 
 
 def filler_text(kind: str = "garbage", essays_dir: Path | str | None = None) -> str:
-    """The haystack source text: ``"garbage"`` (spec) or ``"essays"`` (all essays, sorted by name)."""
+    """The haystack source text: ``"garbage"`` (spec) or ``"essays"`` (all essays, sorted by name).
+
+    ``essays_dir`` is the essays folder or a data directory holding ``needle_haystack/...``; default: the
+    data directory of :mod:`laserlm.data` (``$LASERLM_DATA``).
+
+    Raises:
+        DataFileError: no essays folder found or it holds no ``*.txt``; ValueError: unknown ``kind``.
+    """
     if kind == "garbage":
         return " ".join([GARBAGE] * 2000)
     if kind == "essays":
-        d = Path(essays_dir) if essays_dir else ESSAYS
-        return " ".join(p.read_text(encoding="utf-8", errors="replace") for p in sorted(d.glob("*.txt")))
+        from ..data import resolve  # noqa: PLC0415
+        from ..errors import DataFileError  # noqa: PLC0415
+
+        if essays_dir is not None:
+            d = Path(essays_dir)
+            d = d / ESSAYS if (d / ESSAYS).is_dir() else d
+        else:
+            d = resolve(None, ESSAYS, flag="essays_dir=", what="passkey essays")
+        files = sorted(d.glob("*.txt"))
+        if not files:
+            raise DataFileError(f"no essays (*.txt) in {d}; set $LASERLM_DATA to a data directory with {ESSAYS}")
+        return " ".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
     raise ValueError(f"unknown filler {kind!r}")
 
 

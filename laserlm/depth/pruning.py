@@ -12,13 +12,12 @@ every generated token alike (the dropped layers never run, so their K/V are neve
 
 from __future__ import annotations
 
-import os
 import weakref
 from pathlib import Path
 
 import torch
 
-from ..errors import InvalidArgumentError, ModelNotFoundError
+from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
 from ..runtime.modes import ScoreOutput
 from .stats import summarize_events
@@ -27,10 +26,18 @@ DEFAULT_CALIB_TOKENS = 2048
 _BLOCK_INFLUENCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> {(calib, tokens): [L]}
 
 
+CALIB_TEXT = "wikitext-2/valid.txt"  # under the data directory (see laserlm.data)
+
+
 def default_calibration_text() -> Path:
-    """``$LASERLM_DATA/wikitext-2/valid.txt`` (LASERLM_DATA defaults to ``../shared/data`` next to the repo)."""
-    root = os.environ.get("LASERLM_DATA") or str(Path(__file__).resolve().parents[3] / "shared" / "data")
-    return Path(root) / "wikitext-2" / "valid.txt"
+    """``wikitext-2/valid.txt`` under the data directory (``$LASERLM_DATA``, see :mod:`laserlm.data`).
+
+    Raises:
+        DataFileError: no data directory configured or no such file (the message names ``calib=``).
+    """
+    from ..data import resolve  # noqa: PLC0415
+
+    return resolve(None, CALIB_TEXT, flag="calib=", what="calibration text (or pass drop=i/j/k)")
 
 
 @torch.inference_mode()
@@ -60,18 +67,22 @@ def block_influence(engine, input_ids: torch.Tensor, chunk: int = 512) -> torch.
 
 
 def calibration_ids(engine, path=None, num_tokens: int = DEFAULT_CALIB_TOKENS) -> torch.Tensor:
-    """The first ``num_tokens`` tokens of a text file (default: WikiText-2 valid), ``[N]`` int64.
+    """The first ``num_tokens`` tokens of calibration text, ``[N]`` int64: ``path`` is a text file, a data
+    directory (its WikiText-2 valid) or ``hf:NAME[:CONFIG[:SPLIT]]`` (see :mod:`laserlm.data`); default:
+    WikiText-2 valid of the default data directory.
 
     Raises:
-        ModelNotFoundError: the file does not exist; InvalidArgumentError: no tokenizer on the engine.
+        DataFileError: the text is not found (the message names ``calib=``); InvalidArgumentError: no
+            tokenizer on the engine.
     """
-    path = Path(path) if path else default_calibration_text()
-    if not path.is_file():
-        raise ModelNotFoundError(f"calibration text not found: {path} (pass calib=PATH or drop=i/j/k)")
+    from ..data import read_text, resolve  # noqa: PLC0415
+
+    path = resolve(path or None, CALIB_TEXT, flag="calib=", what="calibration text (or pass drop=i/j/k)",
+                   default_split="validation")
     tok = getattr(engine, "tokenizer", None)
     if tok is None:
         raise InvalidArgumentError("the engine has no tokenizer to read calibration text; pass drop=i/j/k")
-    text = path.read_text(encoding="utf-8", errors="replace")[: num_tokens * 12]
+    text = read_text(path, errors="replace")[: num_tokens * 12]
     return torch.tensor(tok(text)["input_ids"][:num_tokens], dtype=torch.long)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from ..cli import (
     add_config_args,
@@ -14,7 +15,7 @@ from ..cli import (
     load_from_args,
 )
 from ..errors import InvalidArgumentError
-from .data import task_paths
+from .data import task_source
 from .tasks import TASKS, EvalSettings, Evaluator, load_prompts
 
 DEFAULT_TASKS = "wikitext,lambada,hellaswag,arc_easy,piqa,agreement"
@@ -45,7 +46,12 @@ def add_parser(sub) -> None:
     p.add_argument("--gen-tokens", type=int, default=32,
                    help="greedy tokens per prompt for generation agreement (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='jsonl of {"prompt": ...} lines (default: the bundled set)')
-    p.add_argument("--data-dir", default=None, help="data directory (default: $LASERLM_DATA_DIR or ../shared/data)")
+    p.add_argument("--data", "--data-dir", dest="data", default=None, metavar="FILE|DIR|hf:NAME[:CONFIG[:SPLIT]]",
+                   help="evaluation data: a data directory laid out like ../shared/data (wikitext-2/test.txt, "
+                        "lambada/, hellaswag/, arc/, piqa/), one task's file (with one --tasks entry), or a Hugging "
+                        "Face dataset for wikitext/lambada, e.g. hf:wikitext:wikitext-2-v1 (split test unless "
+                        "named; needs the datasets package). Default: $LASERLM_DATA, else ../shared/data next "
+                        "to a source checkout. --data-dir is an alias")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no value: stdout, table goes to stderr)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -74,11 +80,15 @@ def cmd_eval(args) -> int:
     if args.stride is not None and args.stride > args.window:
         raise InvalidArgumentError(f"--stride ({args.stride}) cannot exceed --window ({args.window})")
     check_output_path(args.json, "--json")  # fail now, not after the evaluation
-    for t in tasks:  # fail on missing data before loading the model
-        task_paths("wikitext" if t == "agreement" else t, args.data_dir)
+    readers = list(dict.fromkeys("wikitext" if t == "agreement" else t for t in tasks))
+    if args.data and len(readers) > 1 and not Path(args.data).is_dir():
+        raise InvalidArgumentError(f"--data {args.data} is one data set, but --tasks reads several "
+                                   f"({', '.join(readers)}): pass a data directory, or one task with --tasks")
+    for t in readers:  # fail on missing data before loading the model
+        task_source(t, args.data)
     if "agreement" in tasks and args.prompts:
         load_prompts(args.prompts)  # a missing / malformed --prompts file fails now, not after the other tasks
-    settings = EvalSettings(data_dir=args.data_dir, limit=args.limit, seed=args.seed, window=args.window,
+    settings = EvalSettings(data=args.data, limit=args.limit, seed=args.seed, window=args.window,
                             stride=args.stride, ppl_windows=args.ppl_windows, agreement_windows=args.agreement_windows,
                             gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)
     lm = load_from_args(args)
@@ -101,7 +111,7 @@ def cmd_eval(args) -> int:
                "dtype": str(lm.engine.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "machine": machine(), "date": now(), "reference": "full", "configs": ev.names,
                "argv": sys.argv[1:],
-               "settings": {k: v for k, v in vars(settings).items() if k != "progress"},
+               "settings": {k: v for k, v in vars(settings).items() if k not in ("progress", "data_dir")},
                "results": results, "seconds": seconds}
         write_json(doc, args.json)
     return 0

@@ -10,24 +10,27 @@ lm-evaluation-harness task definitions (``lm_eval/tasks/{lambada,hellaswag,arc,p
 | arc_easy   | ``arc/ARC-Easy-Test.jsonl``               | ``"Question: {stem}\\nAnswer:"`` | ``" " + choice``     |
 | piqa       | ``piqa/valid.jsonl`` + ``valid-labels.lst`` | ``"Question: {goal}\\nAnswer:"`` | ``" " + sol1/sol2``  |
 
-The data directory is ``$LASERLM_DATA_DIR`` or, by default, ``../shared/data`` next to the source
-checkout (see :func:`default_data_dir`).
+The data source (``laserlm eval --data``) is resolved by :mod:`laserlm.data`: a data directory holding
+the files above (default ``$LASERLM_DATA``, or ``../shared/data`` next to a source checkout), one task's
+file, or a Hugging Face dataset ``hf:NAME[:CONFIG[:SPLIT]]`` (default split ``test``) for the tasks that
+read a ``text`` column: ``wikitext`` (e.g. ``hf:wikitext:wikitext-2-v1``) and ``lambada`` (e.g.
+``hf:EleutherAI/lambada_openai:default``).
 """
 
 from __future__ import annotations
 
 import bz2
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InvalidArgumentError, LaserLMError
+from ..data import HFDataset, data_root, read_rows, read_text, resolve
+from ..errors import DataFileError, InvalidArgumentError
 
-
-class DataFileError(LaserLMError, FileNotFoundError):
-    """A data file is missing or cannot be parsed."""
+__all__ = ["DataFileError", "ChoiceItem", "LambadaItem", "TASK_FILES", "HF_TASKS", "default_data_dir",
+           "task_source", "task_paths", "load_task", "read_wikitext", "read_lambada", "read_hellaswag", "read_arc",
+           "read_piqa"]
 
 
 @dataclass
@@ -59,38 +62,65 @@ TASK_FILES = {
 }
 
 
+HF_TASKS = ("wikitext", "lambada")  # tasks that can read a Hugging Face dataset (a "text" column)
+
+
 def default_data_dir() -> Path:
-    """``$LASERLM_DATA_DIR`` if set, else ``<checkout>/../shared/data``."""
-    env = os.environ.get("LASERLM_DATA_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data"
-
-
-def task_paths(task: str, data_dir: str | Path | None = None) -> tuple[Path, ...]:
-    """Paths of the files ``task`` reads.
+    """The default data directory (``$LASERLM_DATA``, its alias ``$LASERLM_DATA_DIR``, or the checkout's
+    ``../shared/data``; see :func:`laserlm.data.data_root`).
 
     Raises:
-        InvalidArgumentError: unknown task.
-        DataFileError: a file is missing (the message names it).
+        DataFileError: none is configured (the message names ``--data``).
+    """
+    return data_root()
+
+
+def task_source(task: str, data: str | Path | None = None) -> tuple[Path, ...] | HFDataset:
+    """Where ``task`` reads its data: its file path(s), or a Hugging Face dataset (split ``test`` unless
+    named).
+
+    Args:
+        data: a data directory (the task's files under it, see :data:`TASK_FILES`), the task's file itself,
+            ``hf:NAME[:CONFIG[:SPLIT]]`` (wikitext and lambada only), or ``None`` for the default directory.
+
+    Raises:
+        InvalidArgumentError: unknown task, a dataset for a task that cannot read one, or one file for
+            piqa (which reads two).
+        DataFileError: a file is missing (the message names it and ``--data``).
     """
     if task not in TASK_FILES:
         raise InvalidArgumentError(f"unknown task '{task}'; available tasks: {', '.join(TASK_FILES)}")
-    root = Path(data_dir) if data_dir is not None else default_data_dir()
-    paths = tuple(root / rel for rel in TASK_FILES[task])
-    for p in paths:
-        if not p.is_file():
-            raise DataFileError(f"data file for task '{task}' not found: {p} (set --data-dir or $LASERLM_DATA_DIR)")
-    return paths
+    rels = TASK_FILES[task]
+    what = f"data file for task '{task}'"
+    src = resolve(data, rels[0], what=what, default_split="test")
+    if isinstance(src, HFDataset):
+        if task not in HF_TASKS:
+            raise InvalidArgumentError(f"--data {src}: task '{task}' reads local files only (Hugging Face datasets "
+                                       f"work for {', '.join(HF_TASKS)}); pass its file or a data directory")
+        return src
+    if len(rels) == 1:
+        return (src,)
+    if data is not None and Path(data).is_file():
+        raise InvalidArgumentError(f"--data {data}: task '{task}' reads {len(rels)} files ({', '.join(rels)}); "
+                                   "pass the data directory that holds them")
+    return (src, *(resolve(data, rel, what=what) for rel in rels[1:]))
+
+
+def task_paths(task: str, data_dir: str | Path | None = None) -> tuple[Path, ...]:
+    """Paths of the local files ``task`` reads (see :func:`task_source`).
+
+    Raises:
+        InvalidArgumentError: unknown task, or ``data_dir`` is a Hugging Face dataset.
+        DataFileError: a file is missing (the message names it).
+    """
+    src = task_source(task, data_dir)
+    if isinstance(src, HFDataset):
+        raise InvalidArgumentError(f"{src} is a Hugging Face dataset, not local files")
+    return src
 
 
 def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DataFileError(f"cannot read {path}: {exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise DataFileError(f"{path} is not UTF-8 text: {exc}") from exc
+    return read_text(path)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -202,9 +232,25 @@ def read_piqa(path: str | Path, labels_path: str | Path) -> list[ChoiceItem]:
     return items
 
 
-def load_task(task: str, data_dir: str | Path | None = None):
-    """Read the items of ``task`` (``str`` for wikitext, a list of items otherwise)."""
-    paths = task_paths(task, data_dir)
+def load_task(task: str, data: str | Path | None = None):
+    """Read the items of ``task`` (``str`` for wikitext, a list of items otherwise) from ``data`` (see
+    :func:`task_source`).
+
+    Raises:
+        InvalidArgumentError, DataFileError: as :func:`task_source`, and malformed files or datasets.
+    """
+    src = task_source(task, data)
+    if isinstance(src, HFDataset):
+        if task == "wikitext":
+            text = read_text(src)
+            if not text.strip():
+                raise DataFileError(f"{src} has no text")
+            return text
+        rows = read_rows(src)
+        if not rows or "text" not in rows[0]:
+            raise DataFileError(f"{src}: LAMBADA rows need a 'text' field")
+        return [LambadaItem(c, " " + w) for c, _, w in (r["text"].rpartition(" ") for r in rows)]
+    paths = src
     if task == "wikitext":
         return read_wikitext(paths[0])
     if task == "lambada":

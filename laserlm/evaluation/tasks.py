@@ -134,7 +134,7 @@ def unscored_positions(has_prefix: bool, non_overlapping: bool) -> str:
 class EvalSettings:
     """Options of one evaluation run (see ``laserlm eval --help``)."""
 
-    data_dir: str | None = None
+    data: str | None = None  # data directory, one task's file, or hf:NAME[:CONFIG[:SPLIT]] (laserlm.data)
     limit: int | None = None
     seed: int = 0
     window: int = 512
@@ -145,6 +145,12 @@ class EvalSettings:
     prompts: str | None = None  # path of a prompts jsonl; None = the bundled set
     chat: bool | None = None  # None = use the chat template when the tokenizer has one
     progress: bool = True
+    data_dir: str | None = None  # older name of ``data`` (used when ``data`` is not given)
+
+    def __post_init__(self):
+        if self.data is None and self.data_dir is not None:
+            self.data = str(self.data_dir)
+        self.data_dir = None
 
 
 class Evaluator:
@@ -192,7 +198,7 @@ class Evaluator:
     # -- perplexity ------------------------------------------------------------------------------
     def _wikitext_windows(self, max_windows: int | None):
         tok = self.lm.tokenizer
-        text = load_task("wikitext", self.s.data_dir)
+        text = load_task("wikitext", self.s.data)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         prefix = tok("")["input_ids"]  # the special tokens the tokenizer adds by default (Gemma: <bos>)
         window = min(self.s.window, self.lm.engine.max_seq_len - len(prefix) + 1)
@@ -243,7 +249,7 @@ class Evaluator:
 
     # -- multiple choice -------------------------------------------------------------------------
     def _run_choice_task(self, task: str) -> dict:
-        items: list[ChoiceItem] = load_task(task, self.s.data_dir)
+        items: list[ChoiceItem] = load_task(task, self.s.data)
         idx = select(len(items), self.s.limit, self.s.seed)
         encoded = []
         for i in idx:
@@ -301,7 +307,7 @@ class Evaluator:
 
     # -- lambada ---------------------------------------------------------------------------------
     def _run_lambada(self) -> dict:
-        items = load_task("lambada", self.s.data_dir)
+        items = load_task("lambada", self.s.data)
         idx = select(len(items), self.s.limit, self.s.seed)
         encoded = [encode_pair(self.lm.tokenizer, items[i].context, items[i].target) for i in idx]
         results, ref_pred = {}, None

@@ -23,7 +23,6 @@ prediction assumes greedy acceptance; sampling acceptance is usually higher (par
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from ..errors import InvalidArgumentError
 from .loop import greedy_ids
 from .modes import FullDepth
 
-DATA_DIR = Path(os.environ.get("LASERLM_DATA", "/work/shared/data"))
+DATA_DIR: Path | None = None  # None: the data directory of laserlm.data ($LASERLM_DATA or the checkout's)
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9)
 KS = (1, 2, 3, 4, 6, 8)
 
@@ -45,17 +44,22 @@ def calibration_prompts(tokenizer, n_text: int = 3, prompt_tokens: int = 48) -> 
     and, if the tokenizer has a chat template, one ARC-Easy dev question as a chat prompt.
 
     Raises:
-        InvalidArgumentError: no calibration data under ``$LASERLM_DATA`` (default /work/shared/data).
+        InvalidArgumentError: no ``wikitext-2/valid.txt`` under the data directory (``$LASERLM_DATA``, see
+            :mod:`laserlm.data`).
     """
-    wiki = DATA_DIR / "wikitext-2" / "valid.txt"
-    if not wiki.is_file():
-        raise InvalidArgumentError(f"auto calibration needs WikiText-2 valid text at {wiki} "
-                                   "(set LASERLM_DATA) or give draft_layers/k/threshold explicitly")
+    from ..data import ENV_VAR, find_data_root  # noqa: PLC0415
+
+    root = DATA_DIR if DATA_DIR is not None else find_data_root()
+    wiki = root / "wikitext-2" / "valid.txt" if root is not None else None
+    if wiki is None or not wiki.is_file():
+        where = f"at {wiki}" if wiki is not None else "(no data directory configured)"
+        raise InvalidArgumentError(f"auto calibration needs WikiText-2 valid text {where} "
+                                   f"(set ${ENV_VAR} to a data directory) or give draft_layers/k/threshold explicitly")
     paragraphs = [line.strip() for line in wiki.read_text(encoding="utf-8").splitlines()
                   if len(line.split()) > 80 and not line.strip().startswith("=")]
     step = max(1, len(paragraphs) // n_text)
     prompts = [tokenizer(p)["input_ids"][:prompt_tokens] for p in paragraphs[::step][:n_text]]
-    arc = DATA_DIR / "arc" / "ARC-Easy-Dev.jsonl"
+    arc = root / "arc" / "ARC-Easy-Dev.jsonl"
     if getattr(tokenizer, "chat_template", None) and arc.is_file():
         q = json.loads(arc.read_text(encoding="utf-8").splitlines()[0])["question"]
         text = q["stem"] + "\n" + "\n".join(f"{c['label']}. {c['text']}" for c in q["choices"])

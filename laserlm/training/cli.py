@@ -82,7 +82,12 @@ def add_parser(subparsers) -> None:
                    help="the target holds with probability >= 1 - delta (default: %(default)s)")
     p.add_argument("--p-value", choices=["binomial", "hoeffding_bentkus", "clt"], default=None,
                    help="p-value of the fixed-sequence test (default: binomial for agreement, clt for perplexity)")
-    p.add_argument("--data", default=None, help="text file of valid/dev text (default: WikiText-2 valid)")
+    p.add_argument("--data", "--data-dir", dest="data", default=None, metavar="FILE|DIR|hf:NAME[:CONFIG[:SPLIT]]",
+                   help="calibration text from a valid/dev split (test splits are refused): a UTF-8 text file, a "
+                        "data directory (its wikitext-2/valid.txt), or a Hugging Face dataset with a text column, "
+                        "e.g. hf:wikitext:wikitext-2-raw-v1 (split validation unless named; needs the datasets "
+                        "package). Default: wikitext-2/valid.txt under $LASERLM_DATA, else ../shared/data next to "
+                        "a source checkout")
     p.add_argument("--groups", default=None, help="layer groups: size '5', ends '8/16/30' or ranges (default: 5)")
     p.add_argument("--min-depth", type=_positive(int, "--min-depth", True), default=None,
                    help="earliest exit in layers (default: a quarter of the layers)")
@@ -121,7 +126,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--router-prompts", type=_positive(int, "--router-prompts", True), default=48,
                    help="prompts for router labels (0 = no router; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.add_argument("--resume", action="store_true", help="reuse finished stages from the work directory")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the stages finished in the work directory whose settings are unchanged (its "
+                        "manifest.json records a hash per stage); stages whose settings changed, and the stages "
+                        "after them, run again")
     p.add_argument("--work-dir", default=None,
                    help="checkpoint directory (default: <output>.work); with --resume, another target reuses "
                         "the trained modules")
@@ -186,6 +194,10 @@ def cmd_calibrate(args) -> int:
         raise InvalidArgumentError("--max-ppl-increase supports only --p-value clt (the NLL is unbounded)")
     out = Path(args.output)
     check_output_paths(out, args.work_dir)
+    from ..data import resolve  # noqa: PLC0415
+    from .collect import DEFAULT_TEXT  # noqa: PLC0415
+
+    resolve(cfg.data, DEFAULT_TEXT, what="calibration text", default_split="validation")  # missing data: fail now
     lm = load_from_args(args)
     summary = calibrate(lm, cfg, out, resume=args.resume, progress=not args.quiet, work_dir=args.work_dir)
     if args.json:

@@ -12,46 +12,50 @@ refused so that reported numbers stay unseen.
 
 from __future__ import annotations
 
-import re
-
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import InvalidArgumentError, ModelNotFoundError
+from ..data import HFDataset, is_test_split, read_text
+from ..data import resolve as resolve_data
+from ..errors import DataFileError, InvalidArgumentError
 
-DEFAULT_DATA = Path("/work/shared/data/wikitext-2/valid.txt")
+DEFAULT_TEXT = "wikitext-2/valid.txt"  # under the data directory (see laserlm.data)
 
 
 def default_data_path() -> Path:
-    """WikiText-2 valid (``$LASERLM_DATA/wikitext-2/valid.txt`` or ``../shared/data``)."""
-    import os  # noqa: PLC0415
+    """WikiText-2 valid, ``wikitext-2/valid.txt`` under the data directory (:func:`laserlm.data.data_root`).
 
-    env = os.environ.get("LASERLM_DATA")
-    if env:
-        return Path(env) / "wikitext-2" / "valid.txt"
-    here = Path(__file__).resolve().parents[3] / "shared" / "data" / "wikitext-2" / "valid.txt"
-    return here if here.is_file() else DEFAULT_DATA
+    Raises:
+        DataFileError: no data directory configured or no such file (the message names ``--data``).
+    """
+    return resolve_data(None, DEFAULT_TEXT, what="calibration text")
 
 
 def load_text_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | None = None,
                      allow_test: bool = False) -> torch.Tensor:
-    """Tokenize a UTF-8 text file into one ``[N]`` int64 stream (no special tokens).
+    """Tokenize calibration text into one ``[N]`` int64 stream (no special tokens).
+
+    Args:
+        path: a text file, a data directory (its ``wikitext-2/valid.txt``) or ``hf:NAME[:CONFIG[:SPLIT]]``
+            (default split ``validation``); ``None``: the default data directory (see :mod:`laserlm.data`).
 
     Raises:
-        ModelNotFoundError: the file does not exist.
-        InvalidArgumentError: a test split (file name containing ``test``) without ``allow_test``,
-            or a file with no tokens.
+        DataFileError: the text is not found (the message names ``--data``) or cannot be read.
+        InvalidArgumentError: a test split (file name containing ``test``, or split ``test``) without
+            ``allow_test``, or a text with no tokens.
     """
-    path = Path(path) if path is not None else default_data_path()
-    if not path.is_file():
-        raise ModelNotFoundError(f"calibration text not found: {path}")
-    if re.search(r"(^|[^a-z])test([^a-z]|$)", path.name.lower()) and not allow_test:  # test.txt, wiki.test.raw; not latest.txt
-        raise InvalidArgumentError(f"{path.name} looks like a test split; calibrate on valid/dev text only "
+    source = resolve_data(path, DEFAULT_TEXT, what="calibration text", default_split="validation")
+    name = source.split if isinstance(source, HFDataset) else source.name
+    if is_test_split(source) and not allow_test:  # test.txt, wiki.test.raw; not latest.txt
+        raise InvalidArgumentError(f"{name} looks like a test split; calibrate on valid/dev text only "
                                    "(test splits are kept for reporting)")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    if isinstance(source, Path) and source.is_dir():
+        raise DataFileError(f"--data {source}: a directory; pass a text file")
+    text = read_text(source, errors="replace")
+    path = source
     if max_tokens is not None:
         text = text[: max(max_tokens * 8, 4096)]  # ~4-5 characters per token: avoid tokenizing everything
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,7 +1,9 @@
 """``laserlm calibrate`` end to end: collect -> exit heads -> gates -> [joint] -> router -> thresholds -> artifact.
 
-Every stage writes a checkpoint into ``<output>.work/`` so that ``resume=True`` skips finished stages
-(the configuration must be unchanged; it is stored in ``config.json`` there and compared).
+The run is a list of named stages (:data:`STAGES`, run by :mod:`laserlm.training.stages`). Every
+checkpointed stage writes ``<output>.work/<stage>.pt`` and records it in ``<output>.work/manifest.json``
+with a hash of its settings and inputs, so that ``resume=True`` skips finished stages whose settings are
+unchanged and reruns the others (and the stages that read them).
 
 Data (WikiText-2 *valid* by default, never a test split) is cut into consecutive, disjoint splits of
 whole chunks: head training, gate training, threshold calibration, and a held-out evaluation split on
@@ -10,7 +12,7 @@ which the run summary reports the measured agreement next to the certified bound
 
 from __future__ import annotations
 
-import json
+import hashlib
 import math
 import sys
 import time
@@ -28,6 +30,7 @@ from .collect import ExitStates, collect_exit_states, load_text_tokens
 from .gates import GateTrainConfig, auroc, gate_probabilities, make_gates, train_gate
 from .heads import make_exit_heads
 from .router import DynamicRouter, collect_router_data, train_router
+from .stages import Stage, StageRunner
 from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
 from .thresholds import (calibrate_threshold, candidate_thresholds, exit_decisions, fixed_sequence_test,
                          position_losses, resolve_target)
@@ -108,177 +111,169 @@ def _say(msg: str, progress: bool) -> None:
         tqdm.write(f"laserlm: {msg}", file=sys.stderr)
 
 
-def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: bool = True,
-              work_dir=None) -> dict:
-    """Run the calibration and write the artifact to ``output``; returns the run summary (JSON-able).
+def _tokens_hash(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
-    ``work_dir`` holds the per-stage checkpoints (default ``<output>.work``); with ``resume`` a run with
-    the same training settings but another target reuses the trained heads, gates and router.
 
-    Raises:
-        InvalidArgumentError: bad settings, resume with a different configuration, not enough text.
-        ModelNotFoundError: the data file does not exist.
-    """
-    cfg.validate()
-    t_start = time.perf_counter()
-    engine = lm.engine
-    L = engine.num_layers
-    groups = make_groups(cfg.groups, L, cfg.min_depth)
-    exits = groups.exit_points
-    if not exits:
-        raise InvalidArgumentError(f"layer groups {groups.describe()} with min depth {groups.min_depth} leave no "
-                                   "exit point")
-    output = Path(output)
-    if not output.parent.is_dir():
-        raise InvalidArgumentError(f"output directory does not exist: {output.parent}")
-    work = Path(work_dir) if work_dir is not None else output.with_name(output.name + ".work")
-    work.mkdir(parents=True, exist_ok=True)
-    key = {"model": lm.loaded.identity, "dtype": str(engine.dtype), **cfg.training_key()}
-    key_file = work / "config.json"
-    if resume and key_file.is_file():
-        old = json.loads(key_file.read_text())
-        new = json.loads(json.dumps(key))
-        if old != new:
-            changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-            raise InvalidArgumentError(f"--resume: {work} was made with different settings ({', '.join(changed)}); "
-                                       "remove it or drop --resume")
-    elif not resume:
-        for name in ("states", "heads", "gates", "joint", "router", "outputs", "propagate_calib", "propagate_held"):
-            (work / f"{name}.pt").unlink(missing_ok=True)
-    key_file.write_text(json.dumps(key, indent=2))
-    timings = {}
+# -- the stages (plain functions of the run context; see laserlm.training.stages) ------------------------
+def _set_states(ctx: dict, states: ExitStates) -> None:
+    ctx["states"] = states
+    total = sum(ctx["chunks"])
+    ctx["train"], ctx["gate_split"], ctx["calib"], ctx["held"] = states.split_chunks([c / total for c in ctx["chunks"]])
 
-    def stage(name):
-        return (work / f"{name}.pt") if resume and (work / f"{name}.pt").is_file() else None
 
-    # 1. collect hidden states once --------------------------------------------------------------
+def _collect(ctx):
+    cfg = ctx["cfg"]
+    states = collect_exit_states(ctx["engine"], ctx["tokens"][:ctx["n_tok"]], ctx["groups"], cfg.seq_len,
+                                 ctx["ats_layer"], ctx["progress"])
+    _set_states(ctx, states)
+    return {"states": states.state_dict()}
+
+
+def _load_collect(ctx, saved):
+    _set_states(ctx, ExitStates.from_state_dict(saved["states"]))
+
+
+def _collect_settings(ctx):
+    cfg, g = ctx["cfg"], ctx["groups"]
+    return {"model": ctx["lm"].loaded.identity, "dtype": str(ctx["engine"].dtype),
+            "tokens": _tokens_hash(ctx["tokens"][:ctx["n_tok"]]), "groups": g.describe(), "min_depth": g.min_depth,
+            "seq_len": cfg.seq_len, "chunks": ctx["chunks"], "ats_layer": ctx["ats_layer"]}
+
+
+def _new_heads(ctx):
+    cfg = ctx["cfg"]
+    return make_exit_heads(ctx["engine"], ctx["exits"], cfg.adapter, cfg.rank)
+
+
+def _heads(ctx):
+    heads = ctx["heads"] = _new_heads(ctx)
+    ctx["head_curve"] = train_heads(heads, ctx["teacher"], ctx["train"], ctx["cfg"].heads, ctx["progress"])
+    return {"heads": heads.state_dict(), "curve": ctx["head_curve"]}
+
+
+def _load_heads(ctx, saved):
+    ctx["heads"] = _new_heads(ctx)
+    ctx["heads"].load_state_dict(saved["heads"])
+    ctx["head_curve"] = list(saved.get("curve", []))
+
+
+def _new_gates(ctx):
+    cfg = ctx["cfg"]
+    return make_gates(ctx["engine"].config.hidden_size, ctx["exits"], cfg.use_ats, cfg.gate_features)
+
+
+def _gates(ctx):
+    cfg, gate_split = ctx["cfg"], ctx["gate_split"]
+    gates = ctx["gates"] = _new_gates(ctx)
+    g_out = ctx["g_out"] = compute_exit_outputs(ctx["heads"], ctx["teacher"], gate_split, ctx["L"])
+    for e in tqdm(ctx["exits"], desc="train exit gates", unit="gate", disable=not ctx["progress"]):
+        train_gate(gates[str(e)], gate_split.hidden[e], g_out.scalars[e], g_out.agree[e], cfg.gates, progress=False)
+    return {"gates": gates.state_dict()}
+
+
+def _load_gates(ctx, saved):
+    ctx["gates"] = _new_gates(ctx)
+    ctx["gates"].load_state_dict(saved["gates"])
+    ctx["g_out"] = None
+
+
+def _joint(ctx):
+    heads, gates = ctx["heads"], ctx["gates"]
+    joint_finetune(heads, gates, ctx["teacher"], ctx["train"], ctx["L"], ctx["cfg"].joint, ctx["progress"])
+    return {"heads": heads.state_dict(), "gates": gates.state_dict()}
+
+
+def _load_joint(ctx, saved):
+    ctx["heads"].load_state_dict(saved["heads"])
+    ctx["gates"].load_state_dict(saved["gates"])
+
+
+def _router_tokens(ctx):
+    return ctx["tokens"][ctx["n_tok"]:ctx["n_tok"] + ctx["router_tok"]]
+
+
+def _router(ctx):
+    from .router import RouterData  # noqa: PLC0415
+
+    cfg, exits, L, heads = ctx["cfg"], ctx["exits"], ctx["L"], ctx["heads"]
+    router = ctx["router"] = DynamicRouter(ctx["engine"].config.hidden_size, exits)
+    rdata = collect_router_data(ctx["engine"], {e: heads[str(e)] for e in exits}, _router_tokens(ctx), exits,
+                                cfg.router_prompts, cfg.router_prompt_len, cfg.router_continuation, ctx["progress"])
+    n_fit = max(1, int(round(0.75 * cfg.router_prompts)))
+    train_router(router, RouterData(rdata.pooled[:n_fit], rdata.labels[:n_fit]), seed=cfg.heads.seed)
+    with torch.no_grad():
+        pred = router(rdata.pooled[n_fit:]).argmax(-1) if n_fit < cfg.router_prompts else torch.empty(0)
+    lab = rdata.labels[n_fit:]
+    ctx["router_report"] = {
+        "label_histogram": {str(exits[r] if r < len(exits) else L): int((rdata.labels == r).sum())
+                            for r in range(len(exits) + 1)},
+        "held_out_prompts": int(lab.numel()),
+        "held_out_accuracy": float((pred == lab).float().mean()) if lab.numel() else None,
+        "held_out_safe_rate": float((pred >= lab).float().mean()) if lab.numel() else None,
+    }
+    return {"router": router.state_dict(), "report": ctx["router_report"]}
+
+
+def _load_router(ctx, saved):
+    ctx["router"] = DynamicRouter(ctx["engine"].config.hidden_size, ctx["exits"])
+    ctx["router"].load_state_dict(saved["router"])
+    ctx["router_report"] = saved["report"]
+
+
+def _router_settings(ctx):
+    cfg = ctx["cfg"]
+    return {"prompts": cfg.router_prompts, "prompt_len": cfg.router_prompt_len, "continuation": cfg.router_continuation,
+            "seed": cfg.heads.seed, "tokens": _tokens_hash(_router_tokens(ctx))}
+
+
+def _outputs(ctx):
+    """Exit-head outputs of the fixed modules on the calibration, gate and held-out splits (a new target
+    on resume reuses them; the propagate decoding caches this stage owns are tied to the same modules)."""
+    heads, teacher, L = ctx["heads"], ctx["teacher"], ctx["L"]
+    ctx["c_out"] = compute_exit_outputs(heads, teacher, ctx["calib"], L)
+    if ctx.get("g_out") is None or ctx["cfg"].joint.epochs > 0:  # gates loaded, or heads changed since the gate stage
+        ctx["g_out"] = compute_exit_outputs(heads, teacher, ctx["gate_split"], L)
+    ctx["before"] = compute_exit_outputs(None, teacher, ctx["held"], L)
+    ctx["after"] = compute_exit_outputs(heads, teacher, ctx["held"], L)
+    return {"calib": asdict(ctx["c_out"]), "gate": asdict(ctx["g_out"]), "before": asdict(ctx["before"]),
+            "after": asdict(ctx["after"])}
+
+
+def _load_outputs(ctx, saved):
+    for key, name in (("c_out", "calib"), ("g_out", "gate"), ("before", "before"), ("after", "after")):
+        ctx[key] = ExitOutputs(**saved[name])
+
+
+def _thresholds(ctx):
+    """Calibrate the gate threshold to the target; held-out decisions (not checkpointed: target-specific)."""
+    cfg, exits, L, gates = ctx["cfg"], ctx["exits"], ctx["L"], ctx["gates"]
+    c_out, g_out, after = ctx["c_out"], ctx["g_out"], ctx["after"]
+    calib, held = ctx["calib"], ctx["held"]
     t0 = time.perf_counter()
-    ats_layer = (exits[0] - 1) if cfg.use_ats else None
-    sizes = [cfg.train_tokens, cfg.gate_tokens, cfg.calib_tokens, cfg.eval_tokens]
-    chunks = [s // cfg.seq_len for s in sizes]
-    n_tok = sum(chunks) * cfg.seq_len + 1
-    router_tok = cfg.router_prompts * cfg.router_prompt_len
-    tokens = load_text_tokens(lm.tokenizer, cfg.data, max_tokens=n_tok + router_tok)
-    if tokens.shape[0] < n_tok + router_tok:
-        raise InvalidArgumentError(f"the text has {tokens.shape[0]} tokens; this run needs {n_tok + router_tok} "
-                                   "(lower the split sizes or give a longer --data file)")
-    if (p := stage("states")) is not None:
-        states = ExitStates.from_state_dict(torch.load(p))
-        _say("resume: hidden states loaded", progress)
-    else:
-        states = collect_exit_states(engine, tokens[:n_tok], groups, cfg.seq_len, ats_layer, progress)
-        torch.save(states.state_dict(), work / "states.pt")
-    total = sum(chunks)
-    train, gate_split, calib, held = states.split_chunks([c / total for c in chunks])
-    timings["collect_s"] = time.perf_counter() - t0
-
-    # 2. exit heads ------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    heads = make_exit_heads(engine, exits, cfg.adapter, cfg.rank)
-    teacher = engine.head
-    if (p := stage("heads")) is not None:
-        heads.load_state_dict(torch.load(p))
-        _say("resume: exit heads loaded", progress)
-        head_curve = []
-    else:
-        head_curve = train_heads(heads, teacher, train, cfg.heads, progress)
-        torch.save(heads.state_dict(), work / "heads.pt")
-    timings["heads_s"] = time.perf_counter() - t0
-
-    # 3. gates -----------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    gates = make_gates(engine.config.hidden_size, exits, cfg.use_ats, cfg.gate_features)
-    g_out = None
-    if (p := stage("gates")) is not None:
-        gates.load_state_dict(torch.load(p))
-        _say("resume: exit gates loaded", progress)
-    else:
-        g_out = compute_exit_outputs(heads, teacher, gate_split, L)
-        for e in tqdm(exits, desc="train exit gates", unit="gate", disable=not progress):
-            train_gate(gates[str(e)], gate_split.hidden[e], g_out.scalars[e], g_out.agree[e], cfg.gates,
-                       progress=False)
-        torch.save(gates.state_dict(), work / "gates.pt")
-    timings["gates_s"] = time.perf_counter() - t0
-
-    # 4. optional joint stage --------------------------------------------------------------------
-    t0 = time.perf_counter()
-    if cfg.joint.epochs > 0:
-        if (p := stage("joint")) is not None:
-            sd = torch.load(p)
-            heads.load_state_dict(sd["heads"])
-            gates.load_state_dict(sd["gates"])
-        else:
-            joint_finetune(heads, gates, teacher, train, L, cfg.joint, progress)
-            torch.save({"heads": heads.state_dict(), "gates": gates.state_dict()}, work / "joint.pt")
-    timings["joint_s"] = time.perf_counter() - t0
-
-    # 5. router ----------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    router, router_report = None, None
-    if cfg.router_prompts > 0:
-        router = DynamicRouter(engine.config.hidden_size, exits)
-        if (p := stage("router")) is not None:
-            sd = torch.load(p)
-            router.load_state_dict(sd["router"])
-            router_report = sd["report"]
-        else:
-            head_fns = {e: heads[str(e)] for e in exits}
-            rdata = collect_router_data(engine, head_fns, tokens[n_tok:n_tok + router_tok], exits,
-                                        cfg.router_prompts, cfg.router_prompt_len, cfg.router_continuation,
-                                        progress)
-            n_fit = max(1, int(round(0.75 * cfg.router_prompts)))
-            from .router import RouterData  # noqa: PLC0415
-
-            fit = RouterData(rdata.pooled[:n_fit], rdata.labels[:n_fit])
-            train_router(router, fit, seed=cfg.heads.seed)
-            with torch.no_grad():
-                pred = router(rdata.pooled[n_fit:]).argmax(-1) if n_fit < cfg.router_prompts else torch.empty(0)
-            lab = rdata.labels[n_fit:]
-            router_report = {
-                "label_histogram": {str(exits[r] if r < len(exits) else L): int((rdata.labels == r).sum())
-                                    for r in range(len(exits) + 1)},
-                "held_out_prompts": int(lab.numel()),
-                "held_out_accuracy": float((pred == lab).float().mean()) if lab.numel() else None,
-                "held_out_safe_rate": float((pred >= lab).float().mean()) if lab.numel() else None,
-            }
-            torch.save({"router": router.state_dict(), "report": router_report}, work / "router.pt")
-    timings["router_s"] = time.perf_counter() - t0
-
-    # 6. thresholds ------------------------------------------------------------------------------
-    t0 = time.perf_counter()
-    if (p := stage("outputs")) is not None:  # exit-head outputs of the fixed modules: reuse for a new target
-        cached = torch.load(p)
-        c_out, g_out, before, after = (ExitOutputs(**cached[k]) for k in ("calib", "gate", "before", "after"))
-    else:
-        c_out = compute_exit_outputs(heads, teacher, calib, L)
-        if g_out is None or cfg.joint.epochs > 0:  # heads changed since the gate stage
-            g_out = compute_exit_outputs(heads, teacher, gate_split, L)
-        before = compute_exit_outputs(None, teacher, held, L)
-        after = compute_exit_outputs(heads, teacher, held, L)
-        torch.save({k: asdict(v) for k, v in (("calib", c_out), ("gate", g_out), ("before", before),
-                                              ("after", after))}, work / "outputs.pt")
     stack = lambda d: torch.stack([d[e] for e in exits])  # noqa: E731
-    kind = "agreement" if cfg.target_agreement is not None else "ppl_increase"
-    g_probs = gate_probabilities(gates, gate_split.hidden, g_out.scalars, exits)
-    h_probs = gate_probabilities(gates, held.hidden, after.scalars, exits)
+    kind = ctx["kind"] = "agreement" if cfg.target_agreement is not None else "ppl_increase"
+    g_probs = gate_probabilities(gates, ctx["gate_split"].hidden, g_out.scalars, exits)
+    ctx["h_probs"] = gate_probabilities(gates, held.hidden, after.scalars, exits)
     if cfg.bridge == "deferred":  # exact hidden states: replay the decisions on the collected states
         c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)
         cal = calibrate_threshold(c_probs, stack(c_out.agree), target_agreement=cfg.target_agreement,
                                   max_ppl_increase=cfg.max_ppl_increase, nll=stack(c_out.nll),
                                   full_nll=c_out.full_nll, delta=cfg.delta, method=cfg.p_value,
                                   candidates=candidate_thresholds(g_probs))
-        timings["thresholds_s"] = time.perf_counter() - t0
-        dec = exit_decisions(h_probs, cal.threshold)
+        ctx["calibrate_s"] = time.perf_counter() - t0
+        dec = exit_decisions(ctx["h_probs"], cal.threshold)
         held_loss = position_losses(dec, stack(after.agree), stack(after.nll), after.full_nll, kind)
         layers = torch.tensor(exits + [L], dtype=torch.float64)[dec]
     else:  # propagate: every candidate is tested by decoding the calibration chunks with it
         target, method = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
-        head_d, gate_d = {e: heads[str(e)] for e in exits}, {e: gates[str(e)] for e in exits}
+        head_d, gate_d = {e: ctx["heads"][str(e)] for e in exits}, {e: gates[str(e)] for e in exits}
+        progress = ctx["progress"]
 
         def decoder(split, outputs, name):
-            return PropagateDecoding(engine, groups, head_d, gate_d, ats_layer,
-                                     chunk_sequences(tokens, split, cfg.seq_len), split, outputs.full_nll, kind,
-                                     progress=progress, cache_file=work / f"propagate_{name}.pt")
+            return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, gate_d, ctx["ats_layer"],
+                                     chunk_sequences(ctx["tokens"], split, cfg.seq_len), split, outputs.full_nll, kind,
+                                     progress=progress, cache_file=ctx["work"] / f"propagate_{name}.pt")
 
         def report(entry):
             _say(f"threshold {entry['threshold']:.4f}: risk {entry['risk']:.4f}, p-value {entry['p_value']:.3g}, "
@@ -286,13 +281,44 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
 
         cal = fixed_sequence_test(grid_thresholds(g_probs), decoder(calib, c_out, "calib"), target, cfg.delta, method,
                                   on_test=report)
-        timings["thresholds_s"] = time.perf_counter() - t0
+        ctx["calibrate_s"] = time.perf_counter() - t0
         held_dec = decoder(held, after, "held")
         held_loss, _ = held_dec(cal.threshold if cal.threshold is not None else 1.0)
         layers = held_dec.last_layers.double()
         dec = torch.tensor([exits.index(int(x)) if int(x) in exits else len(exits) for x in layers])
+    ctx.update(cal=cal, dec=dec, held_loss=held_loss, layers=layers)
 
-    # 7. summary on the held-out split -----------------------------------------------------------
+
+def _threshold_settings(ctx):
+    cfg = ctx["cfg"]
+    return {k: getattr(cfg, k) for k in ("target_agreement", "max_ppl_increase", "delta", "p_value", "bridge")}
+
+
+STAGES = (
+    Stage("collect", _collect, _load_collect, settings=_collect_settings),
+    Stage("heads", _heads, _load_heads, after=("collect",),
+          settings=lambda ctx: {"adapter": ctx["cfg"].adapter, "rank": ctx["cfg"].rank, **asdict(ctx["cfg"].heads)}),
+    Stage("gates", _gates, _load_gates, after=("collect", "heads"),
+          settings=lambda ctx: {"use_ats": ctx["cfg"].use_ats, "features": ctx["cfg"].gate_features,
+                                **asdict(ctx["cfg"].gates)}),
+    Stage("joint", _joint, _load_joint, after=("collect", "heads", "gates"),
+          settings=lambda ctx: asdict(ctx["cfg"].joint), when=lambda ctx: ctx["cfg"].joint.epochs > 0),
+    Stage("router", _router, _load_router, after=("heads", "joint"), settings=_router_settings,
+          when=lambda ctx: ctx["cfg"].router_prompts > 0),
+    Stage("outputs", _outputs, _load_outputs, after=("collect", "heads", "gates", "joint"),
+          owns=("propagate_calib.pt", "propagate_held.pt")),
+    Stage("thresholds", _thresholds, after=("outputs",), settings=_threshold_settings, saves=False),
+)
+"""The stages of ``laserlm calibrate``, in order: collect hidden states -> exit heads -> exit gates ->
+[joint heads+gates] -> [router] -> exit-head outputs of the fixed modules -> thresholds."""
+
+
+def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
+    """The run summary: per-exit quality and the threshold's measured effect on the held-out split."""
+    train, gate_split, calib, held = ctx["train"], ctx["gate_split"], ctx["calib"], ctx["held"]
+    lm, cfg, exits, groups, engine = ctx["lm"], ctx["cfg"], ctx["exits"], ctx["groups"], ctx["engine"]
+    before, after, h_probs, head_curve = ctx["before"], ctx["after"], ctx["h_probs"], ctx["head_curve"]
+    cal, dec, held_loss, layers, kind = ctx["cal"], ctx["dec"], ctx["held_loss"], ctx["layers"], ctx["kind"]
     per_exit = []
     for i, e in enumerate(exits):
         per_exit.append({
@@ -323,18 +349,74 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
         "splits_tokens": {"train": len(train), "gate": len(gate_split), "calibration": len(calib),
                           "held_out": len(held)},
         "calibration": {k: v for k, v in cal.to_dict().items() if k != "curve"},
-        "held_out": measured, "per_exit": per_exit, "router": router_report,
+        "held_out": measured, "per_exit": per_exit, "router": ctx["router_report"],
         "head_kl_first_last": [head_curve[0], head_curve[-1]] if head_curve else None,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "settings": cfg.to_dict(),
     }
+    return summary
+
+
+def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: bool = True,
+              work_dir=None) -> dict:
+    """Run the calibration and write the artifact to ``output``; returns the run summary (JSON-able).
+
+    The run is the stage list :data:`STAGES` executed by :class:`~laserlm.training.stages.StageRunner` in
+    ``work_dir`` (default ``<output>.work``). Every checkpointed stage is recorded in
+    ``<work_dir>/manifest.json`` with a hash of its settings and inputs; with ``resume`` the stages whose
+    hash is unchanged are loaded, and a stage whose settings changed runs again together with the stages
+    that read it (so another target reuses the trained heads, gates and router and only re-calibrates).
+    An unreadable manifest or checkpoint is ignored with a :class:`~laserlm.training.stages.ManifestWarning`
+    and recomputed. Without ``resume`` the work directory's stages are cleared first.
+
+    Raises:
+        InvalidArgumentError: bad settings, not enough text, a test split as data.
+        DataFileError: the calibration text is not found (the message names ``--data``).
+    """
+    cfg.validate()
+    t_start = time.perf_counter()
+    engine = lm.engine
+    L = engine.num_layers
+    groups = make_groups(cfg.groups, L, cfg.min_depth)
+    exits = groups.exit_points
+    if not exits:
+        raise InvalidArgumentError(f"layer groups {groups.describe()} with min depth {groups.min_depth} leave no "
+                                   "exit point")
+    output = Path(output)
+    if not output.parent.is_dir():
+        raise InvalidArgumentError(f"output directory does not exist: {output.parent}")
+    work = Path(work_dir) if work_dir is not None else output.with_name(output.name + ".work")
+
+    t0 = time.perf_counter()
+    sizes = [cfg.train_tokens, cfg.gate_tokens, cfg.calib_tokens, cfg.eval_tokens]
+    chunks = [s // cfg.seq_len for s in sizes]
+    n_tok = sum(chunks) * cfg.seq_len + 1
+    router_tok = cfg.router_prompts * cfg.router_prompt_len
+    tokens = load_text_tokens(lm.tokenizer, cfg.data, max_tokens=n_tok + router_tok)
+    if tokens.shape[0] < n_tok + router_tok:
+        raise InvalidArgumentError(f"the text has {tokens.shape[0]} tokens; this run needs {n_tok + router_tok} "
+                                   "(lower the split sizes or give a longer --data file)")
+    load_s = time.perf_counter() - t0
+    ctx = {"lm": lm, "engine": engine, "cfg": cfg, "groups": groups, "exits": exits, "L": L, "work": work,
+           "progress": progress, "tokens": tokens, "chunks": chunks, "n_tok": n_tok, "router_tok": router_tok,
+           "ats_layer": (exits[0] - 1) if cfg.use_ats else None, "teacher": engine.head,
+           "head_curve": [], "router": None, "router_report": None, "g_out": None}
+    runner = StageRunner(work, list(STAGES), resume=resume, say=lambda m: _say(m, progress))
+    runner.run(ctx)
+    sec = runner.seconds
+    timings = {"collect_s": load_s + sec.get("collect", 0.0)}
+    for name in ("heads", "gates", "joint", "router"):
+        timings[f"{name}_s"] = sec.get(name, 0.0)
+    timings["thresholds_s"] = sec.get("outputs", 0.0) + ctx["calibrate_s"]
+    summary = _summary(ctx, timings, t_start)
+    heads, gates, cal = ctx["heads"], ctx["gates"], ctx["cal"]
     # the depth package's adaptive mode reads thresholds["gate_threshold"] (GatePolicy: exit iff prob > it);
     # 1.0 = never exit when no threshold could be certified
     thresholds = {"gate_threshold": cal.threshold if cal.threshold is not None else 1.0}
     config = {"groups": groups.describe(), "min_depth": groups.min_depth, "policy": "gate",
-              "ats_layer": ats_layer, "bridge": cfg.bridge, "patience": 0, "calibration": summary}
+              "ats_layer": ctx["ats_layer"], "bridge": cfg.bridge, "patience": 0, "calibration": summary}
     save_artifact(output, lm, {e: heads[str(e)] for e in exits}, {e: gates[str(e)] for e in exits},
-                  thresholds, config, router)
+                  thresholds, config, ctx["router"])
     return summary
 
 
