@@ -111,8 +111,13 @@ class LaserLMHarness(_Base):
             n = int(kwargs.get("max_gen_toks", self.max_gen_toks))
             if not context:
                 raise LaserLMError("generate_until needs a non-empty context")
-            res = self.lm.generate(context, mode=self.scorer.mode, max_new_tokens=n, temperature=temperature,
-                                   stop=until, seed=kwargs.get("seed"))
+            saved = self.lm.engine.kernel
+            try:  # generate with this configuration's attention kernel (``@sparse...``), as scoring does
+                self.scorer.activate()
+                res = self.lm.generate(context, mode=self.scorer.mode, max_new_tokens=n, temperature=temperature,
+                                       stop=until, seed=kwargs.get("seed"))
+            finally:
+                self.lm.engine.kernel = saved
             out.append(res.text)
         return out
 
