@@ -323,18 +323,33 @@ def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
     assert res["results"]["laserlm_local_mc"]["acc,none"] == 1.0
 
 
-def test_attention_part_of_a_configuration(smol):
+def test_attention_part_of_a_configuration(smol, smol_ref):
     from laserlm.evaluation.scoring import split_config
 
     assert split_config("adaptive:a=1,b=2@sparse:threshold=0.5") == ("adaptive:a=1,b=2", "sparse:threshold=0.5")
     assert split_config("full") == ("full", None)
-    before = smol.engine.kernel
-    sc = Scorer(smol.engine, "full@sparse:block_size=16")
-    assert sc.kernel is not None and smol.engine.kernel is before  # the engine is left as it was
-    assert Scorer(smol.engine, "full").kernel is None  # the reference is always dense
-    ids = smol.tokenizer("One two three four five six seven eight nine ten eleven twelve")["input_ids"]
-    r = sc.score([ids], [1])[0]
-    assert r.token_logprobs.numel() == len(ids) - 1 and torch.isfinite(r.token_logprobs).all()
+    eng = smol.engine
+    before = eng.kernel
+    ids = smol.tokenizer(TEXT * 3)["input_ids"]
+    assert len(ids) >= 8 * 16  # 8+ key blocks of 16: above min_blocks (4), so the sparse paths run
+    ref = _ref_logprob(smol_ref, ids, 1)  # dense attention, unmodified transformers model
+    try:
+        keep_all = Scorer(eng, "full@sparse:block_size=16,threshold=1e9,dense_layers=0")
+        assert keep_all.kernel is not None and eng.kernel is before  # the engine is left as it was
+        assert Scorer(eng, "full").kernel is None  # the reference is always dense
+        r = keep_all.score([ids], [1])[0]
+        assert all(keep_all.kernel.totals[layer]["prefill_calls"] == 1 for layer in range(eng.num_layers))
+        assert keep_all.kernel.summary()["density"] == 1.0
+        assert r.token_logprobs.numel() == len(ids) - 1
+        assert r.logprob == pytest.approx(ref, abs=2e-3)  # every block kept: exact
+        sc = Scorer(eng, "full@sparse:block_size=16")  # the default threshold rule skips blocks
+        r = sc.score([ids], [1])[0]
+        cfg = sc.kernel.config
+        assert all(sc.kernel.totals[layer]["prefill_calls"] == 1 for layer in range(cfg.dense_layers, eng.num_layers))
+        assert sc.kernel.summary()["density"] < 1.0
+        assert torch.isfinite(r.token_logprobs).all() and abs(r.logprob - ref) > 1e-3  # skipped blocks do count
+    finally:
+        eng.kernel = before
 
 
 # -- issue 18: log-likelihood at a merging join, rolling perplexity, short documents -----------------------
