@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import FakeInstance
 from laserlm.cli import main
 from laserlm.errors import InvalidArgumentError, LaserLMError
 from laserlm.evaluation import data as D
@@ -283,11 +284,6 @@ def test_unrunnable_configuration_is_a_clear_error(smol):
 
 
 # -- lm-evaluation-harness adapter -------------------------------------------------------------------------
-class FakeInstance:
-    def __init__(self, *args):
-        self.args = args
-
-
 def test_lmeval_adapter_methods(smol, smol_ref):
     from laserlm.evaluation.lmeval_adapter import LaserLMHarness
 

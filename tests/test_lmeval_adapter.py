@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import FakeInstance
 from laserlm.attention.kernel import configure
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,11 +24,6 @@ SPARSE = "sparse:threshold=0,block_size=8,dense_layers=0,min_blocks=2"
 PROMPT = ("The history of the old harbour town begins with a small fishing village on the river, where boats "
           "brought salt, wool and timber from the hills. Over three centuries the village grew into a market "
           "town with a stone bridge, a guild hall and a cathedral. The most important building in the town is")
-
-
-class FakeInstance:
-    def __init__(self, *args):
-        self.args = args
 
 
 def test_generate_until_runs_with_the_configurations_sparse_kernel(smol):
