@@ -13,19 +13,10 @@ import json
 
 import pytest
 
-from laserlm.cli import attention_kwargs, build_parser, check_output_path, main
+from helpers import run_cli
+from laserlm.cli import attention_kwargs, build_parser, check_output_path
 from laserlm.errors import InvalidArgumentError
 from laserlm.models.loader import chat_template_available
-
-
-def run_cli(capsys, argv) -> str:
-    """Run the CLI; assert exit status 2 and a single ``laserlm: error:`` line on stderr; return it."""
-    rc = main(argv)
-    captured = capsys.readouterr()
-    lines = [ln for ln in captured.err.strip().splitlines() if ln.strip()]
-    assert rc == 2, f"exit status {rc}, stderr: {captured.err}"
-    assert len(lines) == 1 and lines[0].startswith("laserlm: error: "), captured.err
-    return lines[0]
 
 
 @pytest.fixture()

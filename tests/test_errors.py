@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import laserlm
+from helpers import run_cli as _run_cli
 from laserlm.api import LaserLM
 from laserlm.cli import main
 from laserlm.errors import (
@@ -30,18 +31,8 @@ LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
 
 
 def run_cli(capsys, argv, allow_notice: bool = False) -> str:
-    """Run the CLI; assert exit status 2 and a single ``laserlm: error:`` line; return that line."""
-    rc = main(argv)
-    captured = capsys.readouterr()
-    lines = [ln for ln in captured.err.strip().splitlines() if ln.strip()]
-    assert rc == 2, f"exit status {rc}, stderr: {captured.err}"
-    assert "Traceback" not in captured.err
-    if allow_notice:  # a GGUF conversion announces itself before the parser fails
-        lines = [ln for ln in lines if not ln.startswith("laserlm: converting")]
-    assert len(lines) == 1, f"expected one line, got: {captured.err!r}"
-    assert lines[0].startswith("laserlm: error: ")
-    assert captured.out == ""
-    return lines[0]
+    """:func:`helpers.run_cli`, and nothing on stdout."""
+    return _run_cli(capsys, argv, allow_notice, empty_stdout=True)
 
 
 @pytest.fixture()

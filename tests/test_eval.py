@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import FakeInstance
 from laserlm.cli import main
 from laserlm.data import find_data_root
 from laserlm.errors import InvalidArgumentError, LaserLMError
@@ -170,12 +171,64 @@ def test_choice_task_picks_known_answers(smol, tmp_path):
     assert res["test_copy"]["choice_agreement"] == 1.0
 
 
-def test_agreement_with_itself_is_one_and_half_depth_is_not(smol, wiki_dir):
-    s = EvalSettings(data_dir=str(wiki_dir), window=16, agreement_windows=2, gen_tokens=5, limit=1, progress=False)
-    res = Evaluator(smol, ["test_copy"], s).run("agreement")
-    assert res["test_copy"]["top1_agreement"] == 1.0
-    assert res["test_copy"]["gen_exact_match"] == 1.0 and res["test_copy"]["gen_mean_lcp_fraction"] == 1.0
-    s.limit = None
+def _exit_logits(ref, ids: list[int], layer: int | None) -> torch.Tensor:
+    """Logits ``[T, V]`` of the unmodified transformers model, or of its final norm + LM head applied to the
+    hidden state after ``layer`` decoder layers (an untrained early exit)."""
+    with torch.no_grad():
+        out = ref(torch.tensor([ids]), output_hidden_states=layer is not None)
+        if layer is None:
+            return out.logits[0].float()
+        return ref.lm_head(ref.model.norm(out.hidden_states[layer]))[0].float()
+
+
+def _greedy(ref, ids: list[int], n: int, eos: set[int], layer: int | None) -> list[int]:
+    """Greedy tokens, full forwards without a cache (every position exits at ``layer``, so no KV is missing)."""
+    ids, new = list(ids), []
+    for _ in range(n):
+        tok = int(_exit_logits(ref, ids, layer)[-1].argmax())
+        if tok in eos:
+            break
+        new.append(tok)
+        ids.append(tok)
+    return new
+
+
+def test_agreement_of_an_early_exit_equals_a_hand_computed_expectation(smol, smol_ref, wiki_dir, tmp_path):
+    """``early-exit:layer=20`` disagrees with the full model: top-1 agreement over the scored positions, the
+    generation exact-match rate and the mean common-prefix fraction equal those computed from the
+    transformers model directly (full logits vs its hidden state after 20 layers through norm + LM head)."""
+    layer, n_gen, tok = 20, 5, smol.tokenizer
+    prompts = ["What is the capital of France?", "Name three colours of the rainbow."]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    s = EvalSettings(data_dir=str(wiki_dir), window=16, agreement_windows=2, gen_tokens=n_gen,
+                     prompts=str(tmp_path / "prompts.jsonl"), chat=True, progress=False)
+    cfg = f"early-exit:layer={layer}"
+    res = Evaluator(smol, [cfg], s).run("agreement")[cfg]
+    # windows of 16 tokens, no BOS: each window's first token is unscored, the rest predicted within the window
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    same = []
+    for b in (0, 16):
+        w = ids[b:b + 16]
+        same += (_exit_logits(smol_ref, w, None)[:-1].argmax(-1) == _exit_logits(smol_ref, w, layer)[:-1].argmax(-1)).tolist()
+    assert res["positions"] == len(same) == 30
+    assert 0 < sum(same) < len(same)  # neither 0 nor 1: the metric is not decided by construction
+    assert res["top1_agreement"] == pytest.approx(sum(same) / len(same))
+    exact, frac = 0, 0.0
+    for p in prompts:
+        chat_ids = list(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"])
+        full = _greedy(smol_ref, chat_ids, n_gen, smol.eos_ids, None)
+        early = _greedy(smol_ref, chat_ids, n_gen, smol.eos_ids, layer)
+        lcp = next((i for i, (a, b) in enumerate(zip(early, full)) if a != b), min(len(early), len(full)))
+        exact += early == full
+        frac += lcp / max(len(full), 1)
+    assert res["gen_exact_match"] == exact / len(prompts)
+    assert res["gen_mean_lcp_fraction"] == pytest.approx(frac / len(prompts))
+    assert res["gen_exact_match"] < 1.0
+
+
+def test_half_depth_loses_agreement_and_perplexity(smol, wiki_dir):
+    s = EvalSettings(data_dir=str(wiki_dir), window=16, agreement_windows=2, gen_tokens=5, progress=False)
     wt = Evaluator(smol, ["test_half"], s).run("wikitext")
     assert wt["test_half"]["top1_agreement"] < 0.9
     assert wt["test_half"]["perplexity"] > wt["full"]["perplexity"]
@@ -238,11 +291,6 @@ def test_unrunnable_configuration_is_a_clear_error(smol):
 
 
 # -- lm-evaluation-harness adapter -------------------------------------------------------------------------
-class FakeInstance:
-    def __init__(self, *args):
-        self.args = args
-
-
 def test_lmeval_adapter_methods(smol, smol_ref):
     from laserlm.evaluation.lmeval_adapter import LaserLMHarness
 
@@ -278,18 +326,33 @@ def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
     assert res["results"]["laserlm_local_mc"]["acc,none"] == 1.0
 
 
-def test_attention_part_of_a_configuration(smol):
+def test_attention_part_of_a_configuration(smol, smol_ref):
     from laserlm.evaluation.scoring import split_config
 
     assert split_config("adaptive:a=1,b=2@sparse:threshold=0.5") == ("adaptive:a=1,b=2", "sparse:threshold=0.5")
     assert split_config("full") == ("full", None)
-    before = smol.engine.kernel
-    sc = Scorer(smol.engine, "full@sparse:block_size=16")
-    assert sc.kernel is not None and smol.engine.kernel is before  # the engine is left as it was
-    assert Scorer(smol.engine, "full").kernel is None  # the reference is always dense
-    ids = smol.tokenizer("One two three four five six seven eight nine ten eleven twelve")["input_ids"]
-    r = sc.score([ids], [1])[0]
-    assert r.token_logprobs.numel() == len(ids) - 1 and torch.isfinite(r.token_logprobs).all()
+    eng = smol.engine
+    before = eng.kernel
+    ids = smol.tokenizer(TEXT * 3)["input_ids"]
+    assert len(ids) >= 8 * 16  # 8+ key blocks of 16: above min_blocks (4), so the sparse paths run
+    ref = _ref_logprob(smol_ref, ids, 1)  # dense attention, unmodified transformers model
+    try:
+        keep_all = Scorer(eng, "full@sparse:block_size=16,threshold=1e9,dense_layers=0")
+        assert keep_all.kernel is not None and eng.kernel is before  # the engine is left as it was
+        assert Scorer(eng, "full").kernel is None  # the reference is always dense
+        r = keep_all.score([ids], [1])[0]
+        assert all(keep_all.kernel.totals[layer]["prefill_calls"] == 1 for layer in range(eng.num_layers))
+        assert keep_all.kernel.summary()["density"] == 1.0
+        assert r.token_logprobs.numel() == len(ids) - 1
+        assert r.logprob == pytest.approx(ref, abs=2e-3)  # every block kept: exact
+        sc = Scorer(eng, "full@sparse:block_size=16")  # the default threshold rule skips blocks
+        r = sc.score([ids], [1])[0]
+        cfg = sc.kernel.config
+        assert all(sc.kernel.totals[layer]["prefill_calls"] == 1 for layer in range(cfg.dense_layers, eng.num_layers))
+        assert sc.kernel.summary()["density"] < 1.0
+        assert torch.isfinite(r.token_logprobs).all() and abs(r.logprob - ref) > 1e-3  # skipped blocks do count
+    finally:
+        eng.kernel = before
 
 
 # -- issue 18: log-likelihood at a merging join, rolling perplexity, short documents -----------------------

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import chi2_sf
 from laserlm.api import LaserLM
 from laserlm.runtime.generate import Generation, TokenEvent
 from laserlm.runtime.sampling import SamplingParams, filter_logits, probabilities, sample
@@ -42,12 +43,6 @@ def np_filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p:
         e = np.where(keep, np.exp(row - row[keep].max()), 0.0)
         out[r] = e / e.sum()
     return out
-
-
-def chi2_sf(stat: float, dof: int) -> float:
-    """Survival function of the chi-square distribution (regularised upper incomplete gamma)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 def test_chi2_sf_reference_values():

@@ -11,6 +11,9 @@ Implements lm-eval's three request types (lm-eval 0.4 ``LM`` API):
 - ``generate_until((context, gen_kwargs))`` -> text, greedy unless ``do_sample``/``temperature`` ask
   otherwise, stopped at the ``until`` strings.
 
+All three run the configuration's decoding mode with its attention kernel (``mode="full@sparse:..."``
+installs block-sparse attention for the call and restores the engine's kernel afterwards for generation).
+
 Usage::
 
     import lm_eval, laserlm
@@ -18,7 +21,16 @@ Usage::
     model = LaserLMHarness(laserlm.load("smollm2-135m"), mode="full")
     lm_eval.simple_evaluate(model=model, tasks=["lambada_openai"])
 
-or from the lm-eval command line: ``lm_eval --model laserlm --model_args model=smollm2-135m,mode=full``.
+From the command line, ``laserlm-lm-eval`` is lm-eval's own CLI (same arguments as ``lm_eval``) with the
+model registered as ``laserlm``::
+
+    laserlm-lm-eval --model laserlm --model_args model=smollm2-135m,mode=full --tasks lambada_openai
+
+The model is declared in the ``lm_eval.models`` entry-point group (``pyproject.toml``), but lm-eval 0.4.13
+looks models up only in its registry, filled by imports, and scans no entry points: plain
+``lm_eval --model laserlm`` cannot find it there. ``laserlm-lm-eval`` registers that group's models
+(:func:`register_entry_point_models`) and then runs ``lm_eval``'s CLI. In ``--model_args`` (split at
+commas) write the mode's option commas as ``;``.
 """
 
 from __future__ import annotations
@@ -111,13 +123,50 @@ class LaserLMHarness(_Base):
             n = int(kwargs.get("max_gen_toks", self.max_gen_toks))
             if not context:
                 raise LaserLMError("generate_until needs a non-empty context")
-            res = self.lm.generate(context, mode=self.scorer.mode, max_new_tokens=n, temperature=temperature,
-                                   stop=until, seed=kwargs.get("seed"))
+            saved = self.lm.engine.kernel
+            try:  # generate with this configuration's attention kernel (``@sparse...``), as scoring does
+                self.scorer.activate()
+                res = self.lm.generate(context, mode=self.scorer.mode, max_new_tokens=n, temperature=temperature,
+                                       stop=until, seed=kwargs.get("seed"))
+            finally:
+                self.lm.engine.kernel = saved
             out.append(res.text)
         return out
+
+
+ENTRY_POINT_GROUP = "lm_eval.models"
+
+
+def register_entry_point_models() -> list[str]:
+    """Register every model that an installed package declares in the ``lm_eval.models`` entry-point group
+    (laserlm's own: ``laserlm = "laserlm.evaluation.lmeval_adapter:LaserLMHarness"``) in lm-eval's model
+    registry, lazily (the registry loads an entry point when the name is first asked for). lm-eval 0.4.13
+    has no entry-point discovery of its own, so :func:`main` does this before handing over to its CLI.
+    Names lm-eval already knows keep their registration. Returns the names registered."""
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    import lm_eval.models  # noqa: F401, PLC0415  (lm-eval's own names first; get_model skips them otherwise)
+    from lm_eval.api.registry import model_registry  # noqa: PLC0415
+
+    added = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in model_registry:
+            model_registry.register(ep.name, target=ep)
+            added.append(ep.name)
+    return added
+
+
+def main() -> None:
+    """The ``laserlm-lm-eval`` command: lm-eval's own command line (same arguments as ``lm_eval``), with the
+    models of the ``lm_eval.models`` entry-point group registered first, so that
+    ``laserlm-lm-eval --model laserlm --model_args model=smollm2-135m,mode=full --tasks ...`` works."""
+    from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
+
+    register_entry_point_models()
+    cli_evaluate()
 
 
 if _register is not None:
     _register("laserlm")(LaserLMHarness)
 
-__all__ = ["LaserLMHarness"]
+__all__ = ["ENTRY_POINT_GROUP", "LaserLMHarness", "main", "register_entry_point_models"]
