@@ -95,7 +95,7 @@ def _load_plugins() -> None:
     """Import the packages that register modes (they are optional while under construction)."""
     import importlib  # noqa: PLC0415
 
-    for mod in ("laserlm.depth", "laserlm.runtime.speculative"):
+    for mod in ("laserlm.depth", "laserlm.speculative"):
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as exc:

@@ -36,7 +36,7 @@ full depth (the mode is lossless, so its logits *are* the full model's).
 
 Spec: ``speculative:draft_layers=12,k=4,threshold=0.5[,reuse=1]``; ``draft_layers``, ``k`` and
 ``threshold`` also take ``auto`` (``auto=1`` sets every option not given to ``auto``): a short
-calibration on local validation text picks them (see :mod:`laserlm.runtime.speculative_calibration`).
+calibration on local validation text picks them (see :mod:`laserlm.speculative.calibration`).
 
 ``laser=PATH`` (issue #6) drafts with the calibrated exit head (tuned-lens adapter + final norm + LM
 head, :class:`laserlm.depth.heads.ExitHead`) stored in a laser file (``laserlm calibrate --output``)
@@ -56,9 +56,9 @@ from typing import Callable, Iterator
 import torch
 
 from ..errors import InvalidArgumentError
-from .generate import TokenEvent
-from .modes import FullDepth, ScoreOutput, register_mode
-from .sampling import SamplingParams, check_finite, make_generator, probabilities
+from ..runtime.generate import TokenEvent
+from ..runtime.modes import FullDepth, ScoreOutput, register_mode
+from ..runtime.sampling import SamplingParams, check_finite, make_generator, probabilities
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -385,7 +385,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH]`` -> :class:`SpeculativeDecoding`.
 
     ``draft_layers``, ``k`` and ``threshold`` accept ``auto``; ``auto=1`` makes every option not
-    given ``auto``. Auto options are chosen by :func:`~laserlm.runtime.speculative_calibration.calibrate`
+    given ``auto``. Auto options are chosen by :func:`~laserlm.speculative.calibration.calibrate`
     (about a minute of greedy decoding on WikiText-2 valid / ARC-Easy dev for smollm2-135m on 2 CPU cores,
     announced by one line on stderr, with a tqdm bar on a terminal), whose search is kept in
     ``mode.calibration`` and reported in the generation stats.
@@ -426,7 +426,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
             engine, opts["laser"], kwargs.get("draft_layers"))
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
     if auto:
-        from .speculative_calibration import calibrate  # noqa: PLC0415
+        from .calibration import calibrate  # noqa: PLC0415
 
         fixed = {key: getattr(mode, key) for key in ("draft_layers", "k", "threshold") if key not in auto}
         report = calibrate(engine, exit_head=mode.exit_head, reuse=mode.reuse, **fixed)
