@@ -236,7 +236,8 @@ def test_damaged_laser_file_is_detected(tmp_path, smol):
 
 def test_router_is_conservative():
     """Constant labels give the constant router; an unsure router falls back to full depth."""
-    from laserlm.training.router import DynamicRouter, RouterData, train_router
+    from laserlm.depth.router import DynamicRouter
+    from laserlm.training.router import RouterData, train_router
 
     class FakeEngine:
         num_layers = 30
@@ -248,7 +249,7 @@ def test_router_is_conservative():
     far = pooled[0] + 100 * torch.randn(16, generator=g)  # a prompt unlike any training prompt
     for x in (pooled[0], far):
         assert int(router(x.unsqueeze(0)).argmax()) == 2
-    import laserlm.training.router as R
+    import laserlm.depth.router as R
 
     orig = R.pooled_first_layer
     try:

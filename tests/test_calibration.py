@@ -245,7 +245,7 @@ def saved_artifact(smol, tmp_path_factory):
     from laserlm.training.artifact import save_artifact
     from laserlm.training.gates import make_gates
     from laserlm.training.heads import make_exit_heads
-    from laserlm.training.router import DynamicRouter
+    from laserlm.depth.router import DynamicRouter
 
     torch.manual_seed(0)
     heads = make_exit_heads(smol.engine, [10, 20], "lowrank", rank=8)
@@ -368,7 +368,8 @@ def test_cli_end_to_end_small(tmp_path, capsys):
 def test_route_label_equals_regenerating_with_the_exit_head(smol):
     """The teacher-forced route label agrees with actually generating greedily at that depth."""
     from laserlm.training.collect import load_text_tokens
-    from laserlm.training.router import greedy_continuation, pooled_first_layer, route_label
+    from laserlm.depth.router import pooled_first_layer
+    from laserlm.training.router import greedy_continuation, route_label
 
     eng = smol.engine
     toks = load_text_tokens(smol.tokenizer, max_tokens=200)

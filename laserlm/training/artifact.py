@@ -25,7 +25,7 @@ import torch
 
 from ..depth.heads import FORMAT_VERSION, LaserArtifact, load_laser_file, save_laser_file, tensors_digest
 from ..errors import CorruptModelError, InvalidArgumentError
-from .router import DynamicRouter
+from ..depth.router import DynamicRouter
 
 ARTIFACT_FORMAT_VERSION = FORMAT_VERSION
 

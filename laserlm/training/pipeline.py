@@ -22,12 +22,13 @@ from tqdm.auto import tqdm
 
 from ..depth.groups import make_groups
 from ..depth.heads import GATE_FEATURES
+from ..depth.router import DynamicRouter
 from ..errors import InvalidArgumentError
 from .artifact import save_artifact
 from .collect import ExitStates, collect_exit_states, load_text_tokens
 from .gates import GateTrainConfig, auroc, gate_probabilities, make_gates, train_gate
 from .heads import make_exit_heads
-from .router import DynamicRouter, collect_router_data, train_router
+from .router import collect_router_data, train_router
 from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
 from .thresholds import (calibrate_threshold, candidate_thresholds, exit_decisions, fixed_sequence_test,
                          position_losses, resolve_target)
