@@ -461,7 +461,7 @@ def _laser_head(engine, scale: float, seed: int = 0):
 
 
 def _write_laser(engine, path, heads: dict):
-    from laserlm.depth.heads import LaserArtifact, save_laser_file
+    from laserlm.depth.laser_file import LaserArtifact, save_laser_file
 
     return save_laser_file(path, engine, LaserArtifact(heads=heads))
 

@@ -345,8 +345,8 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
     """The calibrated exit head of the laser file ``path`` at the draft depth.
 
     Args:
-        engine: the engine the file must have been made for (identity + weight fingerprint checked by
-            :func:`laserlm.depth.heads.load_laser_file`).
+        engine: the engine the file must have been made for (architecture + weight hash checked by
+            :func:`laserlm.depth.laser_file.load_laser_file`).
         path: laser file written by ``laserlm calibrate --output`` (or :func:`save_laser_file`).
         draft_layers: draft depth ``N`` (the head stored for exit layer ``N``, i.e. after layers
             ``0..N-1``, is used); ``None`` = the file's exit point in ``[1, L-1]`` closest to ``L // 2``
@@ -363,7 +363,7 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
     """
     from pathlib import Path  # noqa: PLC0415
 
-    from ..depth.heads import load_laser_file  # noqa: PLC0415
+    from ..depth.laser_file import load_laser_file  # noqa: PLC0415
 
     art = load_laser_file(path, engine)
     n_layers = engine.num_layers

@@ -1,5 +1,5 @@
 """``laserlm calibrate``: train exit heads, gates and the router on a frozen model and calibrate the exit
-threshold to a quality target; writes one safetensors artifact (see :mod:`laserlm.training.artifact`)."""
+threshold to a quality target; writes one laser file (see :mod:`laserlm.depth.laser_file`)."""
 
 from __future__ import annotations
 
