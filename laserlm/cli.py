@@ -94,9 +94,9 @@ def config_specs(args) -> list[str]:
         if s.startswith(("-", ":")):
             raise LaserLMError(f"bad configuration spec {s!r} (expected NAME[:key=value,...])")
     specs = list(dict.fromkeys(s for s in specs if s))
-    from .runtime.modes import MODES, _load_plugins, parse_spec  # noqa: PLC0415
+    from .modes import MODES  # noqa: PLC0415
+    from .runtime.modes import parse_spec  # noqa: PLC0415
 
-    _load_plugins()
     for s in specs:  # unknown names and bad attention settings fail here, before the model loads
         mode_spec, _, attn = s.partition("@")
         name = parse_spec(mode_spec)[0]

@@ -15,7 +15,7 @@ from laserlm.depth.heads import gate_scalars, gate_scalars_batch
 from laserlm.depth.policies import AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, Saturation
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
-from laserlm.runtime.modes import make_mode
+from laserlm.modes import make_mode
 
 from test_depth import tiny_gemma3
 

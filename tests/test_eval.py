@@ -15,7 +15,8 @@ from laserlm.errors import InvalidArgumentError, LaserLMError
 from laserlm.evaluation import data as D
 from laserlm.evaluation.scoring import Scorer, encode_pair
 from laserlm.evaluation.tasks import EvalSettings, Evaluator, text_windows
-from laserlm.runtime.modes import FullDepth, ScoreOutput, register_mode
+from laserlm.modes import register_mode
+from laserlm.runtime.modes import FullDepth, ScoreOutput
 
 REAL = D.default_data_dir()
 TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ storey building , and the tallest "

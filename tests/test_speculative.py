@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime import Engine
-from laserlm.runtime.modes import make_mode
+from laserlm.modes import make_mode
 from laserlm.runtime.sampling import SamplingParams, probabilities
 from laserlm.speculative import SpeculativeDecoding
 

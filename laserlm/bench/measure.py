@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..runtime.modes import make_mode
+from ..modes import make_mode
 from ..runtime.sampling import SamplingParams
 
 GEN_PROMPT = "Explain in a few paragraphs how a steam engine works and why it mattered for the industrial revolution."

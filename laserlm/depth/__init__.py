@@ -1,7 +1,7 @@
 """Adaptive depth: layer groups, exit policies, exit heads/gates, bridges, the adaptive scheduler, and the
 static baselines (ShortGPT pruning, naive early exit).
 
-Importing this package registers three decoding modes (:mod:`laserlm.runtime.modes`):
+Its three decoding-mode factories (named in :mod:`laserlm.modes`):
 
 - ``adaptive:groups=5,policy=confidence,threshold=0.9,measure=max,min_depth=8,patience=3,bridge=propagate``
   (other options: ``saturation_threshold``, ``ats_threshold``, ``ats_layer``, ``gate_threshold``,
@@ -16,7 +16,6 @@ Importing this package registers three decoding modes (:mod:`laserlm.runtime.mod
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
-from ..runtime.modes import register_mode
 from .bridge import BRIDGES, make_bridge, project_kv
 from .groups import LayerGroups, default_min_depth, make_groups
 from .heads import ExitGate, ExitHead, gate_scalars
@@ -144,7 +143,3 @@ def make_early_exit(engine, **opts) -> LayerSubset:
     _reject_unknown("early-exit", opts, "layer, laser")
     return LayerSubset(engine, list(range(layer)), head=head, name="early-exit")
 
-
-register_mode("adaptive", make_adaptive)
-register_mode("static", make_static)
-register_mode("early-exit", make_early_exit)

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ContextLengthError, LaserLMError
-from ..runtime.modes import FullDepth, make_mode
+from ..modes import make_mode
+from ..runtime.modes import FullDepth
 
 
 @dataclass

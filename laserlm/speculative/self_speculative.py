@@ -57,7 +57,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..runtime.generate import TokenEvent
-from ..runtime.modes import FullDepth, ScoreOutput, register_mode
+from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.sampling import SamplingParams, check_finite, make_generator, probabilities
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
@@ -437,8 +437,6 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         mode.calibration = report
     return mode
 
-
-register_mode("speculative", make_speculative)
 
 __all__ = ["SpeculativeDecoding", "SpeculativeRun", "SpeculativeStats", "make_speculative", "laser_exit_head",
            "ExitHead"]
