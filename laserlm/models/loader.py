@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError, UnsupportedArchitectureError
+from .cache import cache_root
 from .dtypes import check_offered_dtype
 from .registry import BUNDLED
 from .tokenizer_probe import warn_on_round_trip_failure
@@ -37,13 +38,6 @@ SUPPORTED_MODEL_TYPES = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CONVERTED_FORMAT_VERSION = 1
-
-
-def cache_root() -> Path:
-    """Directory for converted models and assembled GGUF files (``$LASERLM_CACHE`` or ``~/.cache/laserlm``)."""
-    root = Path(os.environ.get("LASERLM_CACHE", Path.home() / ".cache" / "laserlm"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 @dataclass
