@@ -13,7 +13,8 @@ import json
 
 import pytest
 
-from laserlm.cli import attention_kwargs, build_parser, check_output_path, main
+from laserlm.cli import build_parser, main
+from laserlm.cli_common import attention_kwargs, check_output_path
 from laserlm.errors import InvalidArgumentError
 from laserlm.models.loader import chat_template_available
 

@@ -7,7 +7,7 @@ import importlib.util
 import json
 import sys
 
-from ..cli import (
+from ..cli_common import (
     add_config_args,
     add_model_args,
     check_output_path,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..cli import (
+from ..cli_common import (
     add_config_args,
     add_model_args,
     check_output_path,
