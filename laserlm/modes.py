@@ -13,7 +13,8 @@ this module sits above the runtime and the modes and maps names to factories ``f
 | ``speculative`` | :func:`laserlm.speculative.make_speculative` | :mod:`laserlm.speculative` |
 
 The API, the CLI and the tools (evaluation, bench, training) build modes with :func:`make_mode`;
-:func:`register_mode` adds a name (tests and extensions).
+:func:`register_mode` adds a name (tests and extensions). A *configuration* (``eval`` / ``bench``) is a mode
+spec with an optional attention spec, ``MODE_SPEC[@ATTENTION]``: :func:`split_config`, :func:`config_kernel`.
 """
 
 from __future__ import annotations
@@ -64,3 +65,29 @@ def make_mode(spec, engine) -> DecodingMode:
     if name not in MODES:
         raise InvalidArgumentError(f"unknown mode '{name}'; available modes: {', '.join(sorted(MODES))}")
     return MODES[name](engine, **opts)
+
+
+_KEEP = object()
+
+
+def split_config(config: str) -> tuple[str, str | None]:
+    """``"MODE_SPEC[@ATTENTION]"`` -> ``(mode_spec, attention_spec or None)``, e.g.
+    ``"full@sparse:threshold=0.5"`` -> ``("full", "sparse:threshold=0.5")``."""
+    mode, sep, attn = config.partition("@")
+    return mode, (attn if sep else None)
+
+
+def config_kernel(engine, config: str, default=_KEEP):
+    """The attention kernel a configuration runs with: its ``@ATTENTION`` part (block-sparse attention,
+    :func:`laserlm.attention.kernel.configure`), else ``default`` (``_KEEP``: the engine's current kernel).
+    The reference ``"full"`` always runs dense. The engine's kernel is left unchanged."""
+    _, attn = split_config(config)
+    if attn is None:
+        return None if config == "full" else (engine.kernel if default is _KEEP else default)
+    from .attention.kernel import configure  # noqa: PLC0415
+
+    saved = engine.kernel
+    try:
+        return configure(engine, attn)
+    finally:
+        engine.kernel = saved

@@ -273,7 +273,7 @@ def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
 
 
 def test_attention_part_of_a_configuration(smol):
-    from laserlm.evaluation.scoring import split_config
+    from laserlm.modes import split_config
 
     assert split_config("adaptive:a=1,b=2@sparse:threshold=0.5") == ("adaptive:a=1,b=2", "sparse:threshold=0.5")
     assert split_config("full") == ("full", None)

@@ -116,7 +116,7 @@ class EngineTarget:
     """A laserlm decoding mode on the shared engine, measured through ``mode.tokens``."""
 
     def __init__(self, lm, spec: str):
-        from ..evaluation.scoring import config_kernel, split_config  # noqa: PLC0415  (config syntax only)
+        from ..modes import config_kernel, split_config  # noqa: PLC0415
 
         self.lm, self.name = lm, spec
         self.kernel = config_kernel(lm.engine, spec)

@@ -83,7 +83,8 @@ def cmd_eval(args) -> int:
                             gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)
     lm = load_from_args(args)
     ev = Evaluator(lm, specs, settings)
-    from .report import machine, markdown, now, write_json  # noqa: PLC0415
+    from ..reports import machine, now, write_json  # noqa: PLC0415
+    from .report import markdown  # noqa: PLC0415
 
     results, seconds = {}, {}
     table_out = sys.stderr if args.json == "-" else sys.stdout
