@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import (
+from ..cli_common import (
     add_config_args,
     add_model_args,
     check_output_path,
@@ -93,7 +93,8 @@ def cmd_eval(args) -> int:
                             gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)
     lm = load_from_args(args)
     ev = Evaluator(lm, specs, settings)
-    from .report import machine, markdown, now, write_json  # noqa: PLC0415
+    from ..reports import machine, now, write_json  # noqa: PLC0415
+    from .report import markdown  # noqa: PLC0415
 
     results, seconds = {}, {}
     table_out = sys.stderr if args.json == "-" else sys.stdout
