@@ -142,9 +142,10 @@ class EngineTarget:
         return ev[0].seconds, [e.seconds for e in ev[1:]], [e.layers for e in ev]
 
     def kv_bytes(self, tokens: int) -> tuple[int, int]:
-        cache = self.lm.engine.cache
-        alloc = sum(t.nbytes for t in cache.k + cache.v)
-        return alloc, alloc * tokens // cache.max_len
+        """A request allocates its own KV cache of prompt + max_new_tokens positions (``Engine.new_cache``), so
+        for the generation run allocated = used = ``tokens`` positions."""
+        cache = self.lm.engine.new_cache(tokens)
+        return cache.nbytes, cache.nbytes
 
 
 class _Clock:

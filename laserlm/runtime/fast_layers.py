@@ -73,7 +73,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def fast_layer(layer: nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
     """``layer(hidden, cache=cache, position_embeddings=(cos, sin))`` without module dispatch.
 
-    ``hidden [B, T, d]``; ``cos/sin [1, T, head_dim]``; ``cache`` a :class:`KVCache` or ``None``.
+    ``hidden [B, T, d]``; ``cos/sin [1, T, head_dim]``; ``cache`` the forward's
+    :class:`~laserlm.runtime.kv_cache.CacheWindow` or ``None``.
     Must run inside an :func:`~laserlm.runtime.attention.attention_context`. Returns ``[B, T, d]``.
     """
     a, mlp = layer.self_attn, layer.mlp

@@ -133,7 +133,8 @@ def packed_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                  native: bool = True) -> torch.Tensor:
     """``layer(hidden, cache=cache, position_embeddings=(cos, sin))`` on ``layer.laserlm_packed``.
 
-    ``hidden [B, T, d]``; ``cos/sin [1, T, head_dim]``; ``cache`` a :class:`KVCache` or ``None``. Must run
+    ``hidden [B, T, d]``; ``cos/sin [1, T, head_dim]``; ``cache`` the forward's
+    :class:`~laserlm.runtime.kv_cache.CacheWindow` or ``None``. Must run
     inside an :func:`~laserlm.runtime.attention.attention_context`. ``native``: use the compiled
     whole-layer kernel where it applies. Returns ``[B, T, d]``.
     """
