@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import fields
 
 from ..errors import InvalidArgumentError
 from ..runtime.attention import dense_attention
+from ..runtime.options import from_spec
 from .decode import BlockSummaries, sparse_decode
 from .prefill import block_sparse_prefill, make_plan
 from .selection import SparseConfig
@@ -112,8 +114,7 @@ class SparseAttention:
         }
 
 
-ATTENTION_KEYS = {"block_size": int, "rule": str, "threshold": float, "tau": float, "local_blocks": int,
-                  "dense_layers": int, "decode_max_tokens": int, "token_budget": int, "min_blocks": int}
+ATTENTION_KEYS = tuple(f.name for f in fields(SparseConfig))  # the options of 'sparse:...'
 
 
 def parse_attention(spec, **options) -> SparseConfig | None:
@@ -131,34 +132,23 @@ def parse_attention(spec, **options) -> SparseConfig | None:
             raise InvalidArgumentError(f"sparse attention options {sorted(options)} need attention='sparse' (--attention sparse)")
         return None
     if isinstance(spec, SparseConfig):
-        fields = dict(spec.__dict__)
+        given = dict(spec.__dict__)
     elif isinstance(spec, dict):
-        fields = dict(spec)
+        given = dict(spec)
     elif isinstance(spec, str):
         name, _, rest = spec.partition(":")
         if name != "sparse":
             raise InvalidArgumentError(f"unknown attention {name!r}; expected 'dense' or 'sparse'")
-        fields = {}
+        given = {}
         for part in filter(None, rest.split(",")):
             k, eq, v = part.partition("=")
             if not eq:
                 raise InvalidArgumentError(f"bad attention option {part!r}; expected key=value")
-            fields[k.strip()] = v.strip()
+            given[k.strip()] = v.strip()
     else:
         raise InvalidArgumentError(f"attention must be 'dense', 'sparse[:k=v,...]' or a SparseConfig, got {spec!r}")
-    fields.update(options)
-    out = {}
-    for k, v in fields.items():
-        if k not in ATTENTION_KEYS:
-            raise InvalidArgumentError(f"unknown sparse attention option {k!r}; known: {', '.join(ATTENTION_KEYS)}")
-        typ = ATTENTION_KEYS[k]
-        try:
-            out[k] = v if isinstance(v, typ) and not isinstance(v, bool) else typ(v)
-        except (TypeError, ValueError):
-            raise InvalidArgumentError(f"sparse attention option {k}={v!r} is not a valid {typ.__name__}") from None
-        if typ is int and isinstance(v, float) and v != int(v):
-            raise InvalidArgumentError(f"sparse attention option {k}={v!r} must be an integer")
-    return SparseConfig(**out).validate()
+    given.update(options)
+    return from_spec(SparseConfig, given, "sparse attention").validate()
 
 
 def configure(engine, attention="dense", **options) -> SparseAttention | None:

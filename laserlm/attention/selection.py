@@ -77,6 +77,10 @@ class SparseConfig:
             negative layer counts.
     """
 
+    # messages of the option parser (laserlm.runtime.options.from_spec, used by parse_attention)
+    UNKNOWN_MESSAGE = "unknown {what} option {quoted}; known: {known}"
+    BAD_VALUE_MESSAGE = "{what} option {name}={value!r} is not a valid {type}"
+
     block_size: int = 64
     rule: str = "threshold"
     threshold: float = 0.5

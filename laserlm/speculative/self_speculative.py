@@ -50,14 +50,15 @@ used: its adapter maps another layer's hidden states). ``draft_layers=auto`` is 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Literal, Optional, Union
 
 import torch
 
 from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
 from ..runtime.modes import FullDepth, ScoreOutput
+from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
@@ -102,33 +103,6 @@ class SpeculativeStats:
             "mean_drafted": round(self.drafted / c, 4) if self.cycles else float("nan"),
             "draft_fraction": round(self.draft_s / max(self.draft_s + self.verify_s, 1e-12), 4),
         }
-
-
-def _parse_int(name: str, value) -> int:
-    try:
-        if isinstance(value, bool):
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"speculative option {name} must be an integer, got {value!r}") from None
-
-
-def _parse_float(name: str, value) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"speculative option {name} must be a number, got {value!r}") from None
-
-
-def _parse_bool(name: str, value) -> bool:
-    if isinstance(value, bool):
-        return value
-    s = str(value).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise InvalidArgumentError(f"speculative option {name} must be true/false (1/0), got {value!r}")
 
 
 class SpeculativeDecoding:
@@ -316,7 +290,23 @@ class SpeculativeDecoding:
 
 
 # -- spec-string factory --------------------------------------------------------------------------
-OPTIONS = ("draft_layers", "k", "threshold", "reuse", "auto", "laser")
+AUTO_OPTIONS = ("draft_layers", "k", "threshold")
+
+
+@dataclass
+class SpeculativeOptions:
+    """Options of mode ``speculative`` (parsed by :func:`laserlm.runtime.options.from_spec`); ``None``: not
+    given (the :class:`SpeculativeDecoding` default); ``"auto"``: chosen by the calibration."""
+
+    draft_layers: Optional[Union[int, Literal["auto"]]] = None
+    k: Optional[Union[int, Literal["auto"]]] = None
+    threshold: Optional[Union[float, Literal["auto"]]] = None
+    reuse: Optional[bool] = None
+    auto: bool = False
+    laser: Optional[str] = None
+
+
+OPTIONS = tuple(f.name for f in fields(SpeculativeOptions))
 
 
 def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.nn.Module, str]:
@@ -376,32 +366,23 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
             a laser file for another model or without a head at the draft depth.
         ModelNotFoundError / CorruptModelError: the laser file is missing / unreadable.
     """
-    unknown = sorted(set(opts) - set(OPTIONS))
-    if unknown:
-        raise InvalidArgumentError(f"unknown speculative option(s) {', '.join(unknown)}; "
-                                   f"known: {', '.join(OPTIONS)}")
-    if "auto" in opts and _parse_bool("auto", opts.pop("auto")):
-        for key in ("draft_layers", "k", "threshold"):
-            opts.setdefault(key, "auto")
-    auto = {key for key in ("draft_layers", "k", "threshold") if str(opts.get(key, "")).lower() == "auto"}
-    kwargs: dict = {}
-    if "draft_layers" in opts and "draft_layers" not in auto:
-        kwargs["draft_layers"] = _parse_int("draft_layers", opts["draft_layers"])
-    if "k" in opts and "k" not in auto:
-        kwargs["k"] = _parse_int("k", opts["k"])
-    if "threshold" in opts and "threshold" not in auto:
-        kwargs["threshold"] = _parse_float("threshold", opts["threshold"])
-    if "reuse" in opts:
-        kwargs["reuse"] = _parse_bool("reuse", opts["reuse"])
-    if "laser" in opts:
+    o = from_spec(SpeculativeOptions, opts, "speculative")
+    if o.auto:
+        for key in AUTO_OPTIONS:
+            if getattr(o, key) is None:
+                setattr(o, key, "auto")
+    auto = {key for key in AUTO_OPTIONS if getattr(o, key) == "auto"}
+    kwargs: dict = {key: getattr(o, key) for key in (*AUTO_OPTIONS, "reuse")
+                    if getattr(o, key) is not None and key not in auto}
+    if o.laser is not None:
         if "draft_layers" in auto:
             raise InvalidArgumentError("draft_layers=auto is not supported with laser=: give draft_layers=N "
                                        "(one of the laser file's exit layers) or omit it")
-        if not str(opts["laser"]).strip():
+        if not o.laser.strip():
             raise InvalidArgumentError("speculative option laser needs a laser file path (laser=PATH)")
         SpeculativeDecoding(engine.num_layers, **kwargs)  # validate the numbers before reading the file
         kwargs["draft_layers"], kwargs["exit_head"], kwargs["exit_head_name"] = laser_exit_head(
-            engine, opts["laser"], kwargs.get("draft_layers"))
+            engine, o.laser, kwargs.get("draft_layers"))
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
     if auto:
         from .calibration import calibrate  # noqa: PLC0415
@@ -416,5 +397,5 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     return mode
 
 
-__all__ = ["SpeculativeDecoding", "SpeculativeStats", "make_speculative", "laser_exit_head",
+__all__ = ["SpeculativeDecoding", "SpeculativeOptions", "SpeculativeStats", "make_speculative", "laser_exit_head",
            "ExitHead"]
