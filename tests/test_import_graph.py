@@ -20,7 +20,8 @@ counted on their own). Layers, bottom first (a module may import its own layer a
 Within a layer, packages are siblings and may not import each other (depth, speculative and attention; training,
 evaluation and bench), except the edges in :data:`ALLOWED_SIBLING_EDGES`: ``speculative -> depth`` (the
 speculative draft can be a calibrated exit head read from a laser file; depth never imports speculative) and
-``laserlm -> laserlm.api`` (the package root re-exports the API). What tools shared moved below them: the
+``laserlm -> laserlm.api`` (the package root re-exports the API), ``laserlm.data -> laserlm.errors`` (the data
+resolver raises ``DataFileError``). What tools shared moved below them: the
 configuration syntax (``MODE[@ATTENTION]``) to ``laserlm.modes``, report helpers to ``laserlm.reports``. The api sits below the tools because tools drive a
 ``LaserLM`` (e.g. the lm-eval adapter calls ``laserlm.load``).
 
@@ -49,7 +50,8 @@ LAYERS = [  # (rank, layer name, package prefixes or exact module names)
     (8, "cli", ("laserlm.cli",)),
 ]
 # sibling packages of one layer that may import the other (from, to); keep minimal and acyclic
-ALLOWED_SIBLING_EDGES = {("laserlm.speculative", "laserlm.depth"), ("laserlm", "laserlm.api")}
+ALLOWED_SIBLING_EDGES = {("laserlm.speculative", "laserlm.depth"), ("laserlm", "laserlm.api"),
+                         ("laserlm.data", "laserlm.errors")}  # the data resolver raises DataFileError
 
 
 def module_names(root: Path = ROOT) -> dict[str, Path]:
