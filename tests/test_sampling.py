@@ -164,8 +164,8 @@ def test_generation_loop_stops_on_nan_logits(smol, monkeypatch, capsys):
 
     real = Engine.decode_step
 
-    def poisoned(self, token):
-        out = real(self, token)
+    def poisoned(self, token, cache=None):
+        out = real(self, token, cache=cache)
         out.logits = torch.full_like(out.logits, float("nan"))
         return out
 
