@@ -264,6 +264,9 @@ def cmd_generate(args) -> int:
     if args.ctx_size is not None and args.ctx_size <= 0:
         raise LaserLMError(f"--ctx-size must be a positive integer, got {args.ctx_size}")
     check_chat_template(args)
+    from .defaults import check_before_load  # noqa: PLC0415
+
+    check_before_load(args.model, [args.mode])  # bare adaptive/speculative on a non-bundled model: refuse now
     lm = load_from_args(args)
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:
