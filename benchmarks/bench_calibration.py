@@ -57,7 +57,7 @@ def main():
     torch.set_num_threads(args.threads)
 
     import laserlm
-    from laserlm.training.artifact import load_artifact
+    from laserlm.depth.laser_file import load_laser_file
     from laserlm.training.collect import load_text_tokens
     from pathlib import Path
 
@@ -76,7 +76,7 @@ def main():
              "seconds": round(time.perf_counter() - t0, 1)}]
     print(rows[-1], flush=True)
     for path in args.artifacts:
-        art = load_artifact(path, lm)
+        art = load_laser_file(path, lm)
         cal = art.config["calibration"]
         target = cal["calibration"]["target"]
         for bridge, wins in (("deferred", windows), ("propagate", windows[:n_prop])):

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     import laserlm
-    from laserlm.runtime.speculative_calibration import greedy_traces, measure_costs
+    from laserlm.speculative.calibration import greedy_traces, measure_costs
 
     lm = laserlm.load(args.model, dtype="float32")
     modes = {"full": "full", **{f"speculative:{c}": f"speculative:{c}" for c in args.configs}}

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .models.loader import LoadedModel, load_model
+from .modes import make_mode
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationResult, encode_prompt, eos_token_ids
 from .runtime.loop import generate_tokens
-from .runtime.modes import make_mode
 from .runtime.sampling import SamplingParams
 
 

@@ -15,7 +15,7 @@ from laserlm.depth.heads import gate_scalars_batch
 from laserlm.depth.policies import AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, Saturation
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
-from laserlm.runtime.modes import make_mode
+from laserlm.modes import make_mode
 
 from test_depth import tiny_gemma3
 
@@ -300,7 +300,8 @@ def test_damaged_laser_file_is_detected(tmp_path, smol):
 
 def test_router_is_conservative():
     """Constant labels give the constant router; an unsure router falls back to full depth."""
-    from laserlm.training.router import DynamicRouter, RouterData, train_router
+    from laserlm.depth.router import DynamicRouter
+    from laserlm.training.router import RouterData, train_router
 
     class FakeEngine:
         num_layers = 30
@@ -312,7 +313,7 @@ def test_router_is_conservative():
     far = pooled[0] + 100 * torch.randn(16, generator=g)  # a prompt unlike any training prompt
     for x in (pooled[0], far):
         assert int(router(x.unsqueeze(0)).argmax()) == 2
-    import laserlm.training.router as R
+    import laserlm.depth.router as R
 
     orig = R.pooled_first_layer
     try:

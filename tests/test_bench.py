@@ -13,7 +13,8 @@ from laserlm.bench.measure import GEN_PROMPT, Samples, mean_std, percentile, sum
 from laserlm.bench.report import plot, quality_metric
 from laserlm.cli import main
 from laserlm.errors import InvalidArgumentError
-from laserlm.runtime.modes import FullDepth, register_mode
+from laserlm.modes import register_mode
+from laserlm.runtime.modes import FullDepth
 
 
 class _Broken(FullDepth):

@@ -10,6 +10,7 @@ from fractions import Fraction
 import pytest
 import torch
 
+from laserlm.depth.laser_file import FORMAT_VERSION
 from laserlm.errors import CorruptModelError, InvalidArgumentError
 from laserlm.training.losses import binary_focal_loss, focal_loss, kl_distillation
 from laserlm.training.thresholds import (binom_cdf, binomial_p_value, calibrate_threshold, exit_decisions,
@@ -247,10 +248,10 @@ def test_test_split_is_refused(smol, tmp_path):
 # -- artifact ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved_artifact(smol, tmp_path_factory):
-    from laserlm.training.artifact import save_artifact
+    from laserlm.depth.laser_file import LaserArtifact, save_laser_file
     from laserlm.training.gates import make_gates
     from laserlm.training.heads import make_exit_heads
-    from laserlm.training.router import DynamicRouter
+    from laserlm.depth.router import DynamicRouter
 
     torch.manual_seed(0)
     heads = make_exit_heads(smol.engine, [10, 20], "lowrank", rank=8)
@@ -262,16 +263,18 @@ def saved_artifact(smol, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.01)
         router.mean.normal_()
     path = tmp_path_factory.mktemp("art") / "smol.laser.safetensors"
-    save_artifact(path, smol, heads, gates, {"gate_threshold": 0.8}, {"groups": "5", "min_depth": 8,
-                                                                      "policy": "gate"}, router)
+    save_laser_file(path, smol, LaserArtifact(heads=dict(heads), gates=dict(gates), router=router,
+                                              thresholds={"gate_threshold": 0.8},
+                                              config={"groups": "5", "min_depth": 8, "policy": "gate"}),
+                    json_copy=True)
     return path, heads, gates, router
 
 
 def test_artifact_round_trip_identical_outputs(smol, saved_artifact):
-    from laserlm.training.artifact import load_artifact
+    from laserlm.depth.laser_file import load_laser_file
 
     path, heads, gates, router = saved_artifact
-    art = load_artifact(path, smol)
+    art = load_laser_file(path, smol)
     h = torch.randn(5, 576)
     s = torch.rand(5, 6)
     with torch.no_grad():
@@ -280,7 +283,7 @@ def test_artifact_round_trip_identical_outputs(smol, saved_artifact):
             assert torch.equal(art.gates[e](h, s), gates[str(e)](h, s))
         assert torch.equal(art.router(h), router(h))
     assert art.thresholds == {"gate_threshold": 0.8}
-    assert json.loads(path.with_suffix(".json").read_text())["format_version"] == 1
+    assert json.loads(path.with_suffix(".json").read_text())["format_version"] == FORMAT_VERSION
     # the depth package's adaptive mode reads the same file
     mode = smol.mode(f"adaptive:laser={path},patience=0")
     assert mode.policy.threshold == 0.8 and set(mode.heads) == {10, 20}
@@ -292,24 +295,24 @@ def test_artifact_errors(smol, saved_artifact, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from laserlm.runtime.engine import Engine
-    from laserlm.training.artifact import load_artifact
+    from laserlm.depth.laser_file import load_laser_file
 
     path = saved_artifact[0]
     tiny = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128)).eval()
     with pytest.raises(InvalidArgumentError, match="made for another model"):
-        load_artifact(path, Engine(tiny, max_seq_len=32))
+        load_laser_file(path, Engine(tiny, max_seq_len=32))
     data = path.read_bytes()
     trunc = tmp_path / "trunc.safetensors"
     trunc.write_bytes(data[: len(data) // 2])
     with pytest.raises(CorruptModelError, match="cannot read laser file"):
-        load_artifact(trunc, smol)
+        load_laser_file(trunc, smol)
     with safe_open(str(path), framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
     cfg = json.loads(meta["laserlm"])
     for name, edit, err, msg in [
         ("version", lambda c: c.update(format_version=99), CorruptModelError, "format version 99"),
-        ("hash", lambda c: c["config"].update(weights_sha256="0" * 64), InvalidArgumentError,
+        ("hash", lambda c: c.update(weights_sha256="0" * 64), InvalidArgumentError,
          "made for another model.*weights hash"),
     ]:
         c = json.loads(json.dumps(cfg))
@@ -317,7 +320,7 @@ def test_artifact_errors(smol, saved_artifact, tmp_path):
         p = tmp_path / f"{name}.safetensors"
         save_file(tensors, str(p), metadata={"laserlm": json.dumps(c)})
         with pytest.raises(err, match=msg):
-            load_artifact(p, smol)
+            load_laser_file(p, smol)
 
 
 # -- CLI ---------------------------------------------------------------------------------------------
@@ -373,7 +376,8 @@ def test_cli_end_to_end_small(tmp_path, capsys):
 def test_route_label_equals_regenerating_with_the_exit_head(smol):
     """The teacher-forced route label agrees with actually generating greedily at that depth."""
     from laserlm.training.collect import load_text_tokens
-    from laserlm.training.router import greedy_continuation, pooled_first_layer, route_label
+    from laserlm.depth.router import pooled_first_layer
+    from laserlm.training.router import greedy_continuation, route_label
 
     eng = smol.engine
     toks = load_text_tokens(smol.tokenizer, max_tokens=200)
@@ -424,7 +428,7 @@ def _tiny_lm(smol, seed=0):
 
 
 def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
-    from laserlm.training.artifact import load_artifact
+    from laserlm.depth.laser_file import load_laser_file
     from laserlm.training.gates import GateTrainConfig
     from laserlm.training.pipeline import CalibrateConfig, calibrate, format_summary
     from laserlm.training.train import HeadTrainConfig, JointTrainConfig
@@ -439,7 +443,7 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert s["exit_points"] == [2, 4, 6] and len(s["per_exit"]) == 3
     assert sum(r["exit_fraction"] for r in s["per_exit"]) + s["held_out"]["full_depth_fraction"] == pytest.approx(1)
     assert "exit" in format_summary(s)
-    art = load_artifact(out, lm.engine)
+    art = load_laser_file(out, lm.engine)
     assert set(art.heads) == {2, 4, 6} and art.router is not None
     thr = art.thresholds["gate_threshold"]
     assert 0 <= thr <= 1
@@ -450,7 +454,7 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     cfg.target_agreement = 0.3
     s2 = calibrate(lm, cfg, tmp_path / "tiny2.safetensors", resume=True, progress=False,
                    work_dir=tmp_path / "tiny.safetensors.work")
-    art2 = load_artifact(tmp_path / "tiny2.safetensors", lm.engine)
+    art2 = load_laser_file(tmp_path / "tiny2.safetensors", lm.engine)
     h = torch.randn(3, 32)
     assert torch.equal(art2.heads[4](h), art.heads[4](h))
     assert s2["calibration"]["target"]["value"] == 0.3

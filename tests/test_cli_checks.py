@@ -14,7 +14,8 @@ import json
 import pytest
 
 from helpers import run_cli
-from laserlm.cli import attention_kwargs, build_parser, check_output_path
+from laserlm.cli import build_parser
+from laserlm.cli_common import attention_kwargs, check_output_path
 from laserlm.errors import InvalidArgumentError
 from laserlm.models.loader import chat_template_available
 
@@ -109,8 +110,8 @@ def test_chat_template_detection_agrees_with_transformers(smol, tmp_path):
 
 # -- 4. speculative auto announces its search -------------------------------------------------------
 def test_speculative_auto_announces_the_search(smol, monkeypatch, capsys, one_torch_thread):
-    from laserlm.runtime import speculative_calibration as cal
-    from laserlm.runtime.modes import make_mode
+    from laserlm.speculative import calibration as cal
+    from laserlm.modes import make_mode
 
     monkeypatch.setattr(cal, "calibrate", functools.partial(cal.calibrate, gen_tokens=3, n_text=1))
     capsys.readouterr()

@@ -13,8 +13,8 @@ from laserlm.depth import (AdaptiveDepth, Confidence, ExitHead, LaserArtifact, N
 from laserlm.depth.policies import ExitPolicy
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
+from laserlm.modes import make_mode
 from laserlm.runtime.loop import generate_tokens
-from laserlm.runtime.modes import make_mode
 
 PROMPT = "The quick brown fox jumps over the lazy dog. It was a sunny day and"
 
@@ -460,7 +460,7 @@ def test_router_caps_the_depth_of_a_request(smol, tmp_path):
     """A router that picks exit point 15 makes every generated token stop there (read by the exit head there);
     one that picks full depth changes nothing; router=1 without a trained router is a clear error."""
     from laserlm.runtime.sampling import SamplingParams
-    from laserlm.training.router import DynamicRouter
+    from laserlm.depth.router import DynamicRouter
 
     eng = smol.engine
     groups = make_groups(None, eng.num_layers, None)

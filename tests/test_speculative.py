@@ -23,10 +23,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import chi2_sf
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime import Engine
+from laserlm.modes import make_mode
 from laserlm.runtime.loop import generate_tokens
-from laserlm.runtime.modes import make_mode
 from laserlm.runtime.sampling import SamplingParams, probabilities
-from laserlm.runtime.speculative import SpeculativeDecoding
+from laserlm.speculative import SpeculativeDecoding
 
 ALPHA = 1e-3
 PROMPTS = [
@@ -410,7 +410,7 @@ def test_smollm2_greedy_128_tokens_all_prompts(smol, smol_ref, draft_layers, k, 
 def test_calibration_simulation_matches_real_greedy_run(one_thread):
     """The cost-model replay on a teacher-forced greedy trace predicts the real run's cycles and
     accepted drafts exactly (greedy speculation sees the full model's own prefix)."""
-    from laserlm.runtime import speculative_calibration as cal
+    from laserlm.speculative import calibration as cal
 
     engine = Engine(tiny_model(vocab=64), max_seq_len=64)
     prompt, n = [3, 17, 42, 5], 30
@@ -429,7 +429,7 @@ def test_calibration_simulation_matches_real_greedy_run(one_thread):
 def test_auto_options_run_a_calibration(smol, monkeypatch):
     import functools
 
-    from laserlm.runtime import speculative_calibration as cal
+    from laserlm.speculative import calibration as cal
 
     monkeypatch.setattr(cal, "calibrate", functools.partial(cal.calibrate, gen_tokens=6, n_text=1))
     mode = make_mode("speculative:auto=1,k=2", smol.engine)
@@ -445,7 +445,7 @@ def test_auto_options_run_a_calibration(smol, monkeypatch):
 
 
 def test_auto_without_data_is_a_clear_error(smol, monkeypatch, tmp_path):
-    from laserlm.runtime import speculative_calibration as cal
+    from laserlm.speculative import calibration as cal
 
     monkeypatch.setattr(cal, "DATA_DIR", tmp_path)
     with pytest.raises(InvalidArgumentError, match="auto calibration needs WikiText-2 valid text"):
@@ -470,7 +470,7 @@ def _laser_head(engine, scale: float, seed: int = 0):
 
 
 def _write_laser(engine, path, heads: dict):
-    from laserlm.depth.heads import LaserArtifact, save_laser_file
+    from laserlm.depth.laser_file import LaserArtifact, save_laser_file
 
     return save_laser_file(path, engine, LaserArtifact(heads=heads))
 

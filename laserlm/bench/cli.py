@@ -7,7 +7,7 @@ import importlib.util
 import json
 import sys
 
-from ..cli import (
+from ..cli_common import (
     add_config_args,
     add_model_args,
     check_output_path,
@@ -165,7 +165,7 @@ def cmd_bench(args) -> int:
     samples = run_bench(targets, prompt_ids, gen_ids, args.n_gen, args.reps, args.warmup, tests,
                         progress=not args.no_progress)
     rows = [summarize(name, s, args.n_prompt, args.n_gen) for name, s in samples.items()]
-    from ..evaluation.report import machine, now, write_json  # noqa: PLC0415  (formatting helpers only)
+    from ..reports import machine, now, write_json  # noqa: PLC0415
 
     header = (f"model {args.model}, {'; '.join(one.describe() for one in lms)}, {torch.get_num_threads()} threads, reps {args.reps} after "
               f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "

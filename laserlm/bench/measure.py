@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..modes import make_mode
 from ..runtime.loop import generate_tokens
-from ..runtime.modes import make_mode
 from ..runtime.sampling import SamplingParams
 
 GEN_PROMPT = "Explain in a few paragraphs how a steam engine works and why it mattered for the industrial revolution."
@@ -117,7 +117,7 @@ class EngineTarget:
     """A laserlm decoding mode on the shared engine, measured through ``mode.tokens``."""
 
     def __init__(self, lm, spec: str):
-        from ..evaluation.scoring import config_kernel, split_config  # noqa: PLC0415  (config syntax only)
+        from ..modes import config_kernel, split_config  # noqa: PLC0415
 
         self.lm, self.name = lm, spec
         self.kernel = config_kernel(lm.engine, spec)

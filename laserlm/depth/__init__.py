@@ -1,7 +1,7 @@
 """Adaptive depth: layer groups, exit policies, exit heads/gates, bridges, the adaptive scheduler, and the
 static baselines (ShortGPT pruning, naive early exit).
 
-Importing this package registers three decoding modes (:mod:`laserlm.runtime.modes`):
+Its three decoding-mode factories (named in :mod:`laserlm.modes`):
 
 - ``adaptive:groups=5,policy=confidence,threshold=0.9,measure=max,min_depth=8,patience=3,bridge=propagate``
   (other options: ``saturation_threshold``, ``ats_threshold``, ``ats_layer``, ``gate_threshold``,
@@ -16,18 +16,20 @@ Importing this package registers three decoding modes (:mod:`laserlm.runtime.mod
 from __future__ import annotations
 
 from ..errors import InvalidArgumentError
-from ..runtime.modes import register_mode
 from .bridge import BRIDGES, make_bridge, project_kv
 from .groups import LayerGroups, default_min_depth, make_groups
-from .heads import ExitGate, ExitHead, LaserArtifact, gate_scalars_batch, load_laser_file, save_laser_file
+from .heads import ExitGate, ExitHead, gate_scalars_batch
+from .laser_file import DEFAULT_BRIDGE, LaserArtifact, load_laser_file, save_laser_file
 from .policies import (AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, ExitPolicy,
                        GatePolicy, Never, Saturation, make_policy)
 from .pruning import LayerSubset, block_influence, pruned_layers
+from .router import DynamicRouter
 from .scheduler import AdaptiveDepth
 
 __all__ = ["AdaptiveDepth", "AllOf", "AnyOf", "AttentionTransition", "BRIDGES", "Compensation", "Confidence",
-           "BatchPoint", "ExitGate", "ExitHead", "ExitPolicy", "GatePolicy", "LaserArtifact", "LayerGroups",
-           "LayerSubset", "Never", "Saturation", "block_influence", "default_min_depth", "gate_scalars_batch",
+           "BatchPoint", "DEFAULT_BRIDGE", "DynamicRouter", "ExitGate", "ExitHead", "ExitPolicy", "GatePolicy",
+           "LaserArtifact", "LayerGroups", "LayerSubset", "Never", "Saturation", "block_influence", "default_min_depth",
+           "gate_scalars_batch",
            "load_laser_file", "make_adaptive", "make_bridge", "make_early_exit", "make_groups", "make_policy",
            "make_static", "project_kv", "pruned_layers", "save_laser_file"]
 
@@ -82,7 +84,7 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
         gates=art.gates if art else None,
         vocab_size=engine.config.vocab_size,
     )
-    bridge = opts.pop("bridge", file_cfg.get("bridge", "propagate"))  # a laser file: what it was calibrated for
+    bridge = opts.pop("bridge", art.bridge if art else DEFAULT_BRIDGE)  # a laser file: what it was calibrated for
     patience = _num(opts, "patience", int, file_cfg.get("patience", 3))
     ats_layer = _num(opts, "ats_layer", int, file_cfg.get("ats_layer"))
     score = opts.pop("score", None)
@@ -91,12 +93,10 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
     if flag not in ("0", "1", "true", "false", "yes", "no"):
         raise InvalidArgumentError(f"router must be 0 or 1, got '{flag}'")
     if flag in ("1", "true", "yes"):
-        if art is None or "router" not in art.config:
+        if art is None or art.router is None:
             raise InvalidArgumentError("router=1 needs a laser file with a trained router (laser=PATH from "
                                        "`laserlm calibrate` with --router-prompts > 0)")
-        from ..training.artifact import load_artifact  # noqa: PLC0415  (training builds on depth)
-
-        router = load_artifact(laser_path, engine).router
+        router = art.router
     _reject_unknown("adaptive", opts, ADAPTIVE_OPTIONS)
     return AdaptiveDepth(engine, groups, policy, make_bridge(bridge), patience=patience,
                          heads=art.heads if art else None, ats_layer=ats_layer, score=score, router=router)
@@ -144,7 +144,3 @@ def make_early_exit(engine, **opts) -> LayerSubset:
     _reject_unknown("early-exit", opts, "layer, laser")
     return LayerSubset(engine, list(range(layer)), head=head, name="early-exit")
 
-
-register_mode("adaptive", make_adaptive)
-register_mode("static", make_static)
-register_mode("early-exit", make_early_exit)

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import (
+from ..cli_common import (
     add_config_args,
     add_model_args,
     check_output_path,
@@ -96,7 +96,8 @@ def cmd_eval(args) -> int:
     check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
     lm = load_from_args(args)
     ev = Evaluator(lm, specs, settings)
-    from .report import machine, markdown, now, write_json  # noqa: PLC0415
+    from ..reports import machine, now, write_json  # noqa: PLC0415
+    from .report import markdown  # noqa: PLC0415
 
     results, seconds = {}, {}
     table_out = sys.stderr if args.json == "-" else sys.stdout

@@ -4,10 +4,6 @@ full-depth reference first; every non-reference number shows its change from the
 from __future__ import annotations
 
 import math
-import platform
-import time
-
-import torch
 
 # task -> (metric, label, format, better) ; better: +1 higher is better, -1 lower is better, 0 neutral
 COLUMNS = {
@@ -23,49 +19,6 @@ COLUMNS = {
 CHOICE_COLUMNS = [("acc", "acc", ".4f", +1), ("acc_norm", "acc_norm", ".4f", +1),
                   ("choice_agreement", "answer agree", ".4f", +1), ("mean_layers", "layers/tok", ".2f", 0),
                   ("n", "n", "d", 0)]
-
-
-def machine() -> str:
-    """A one-line description of this machine (CPU, cores, torch threads)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import os  # noqa: PLC0415
-
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
-
-
-def now() -> str:
-    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-
-
-def strict_json(v):
-    """``v`` with every NaN / infinite float replaced by ``None`` (strict JSON has no NaN), recursively."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, dict):
-        return {k: strict_json(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [strict_json(x) for x in v]
-    return v
-
-
-def write_json(doc: dict, path: str) -> None:
-    """Write a report as indented, strict JSON (NaN -> null) to ``path`` (``"-"``: standard output)."""
-    import json  # noqa: PLC0415
-
-    text = json.dumps(strict_json(json.loads(json.dumps(doc, default=float))), indent=1, allow_nan=False)
-    if path == "-":
-        print(text)
-    else:
-        with open(path, "w") as f:
-            f.write(text + "\n")
 
 
 def _fmt(v, fmt: str) -> str:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ContextLengthError, LaserLMError
-from ..runtime.modes import FullDepth, make_mode
+from ..modes import config_kernel, make_mode, split_config
+from ..runtime.modes import FullDepth
 
 
 @dataclass
@@ -77,32 +78,6 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     if start >= len(whole):
         raise LaserLMError(f"continuation {continuation!r} encodes to no tokens")
     return whole, start
-
-
-_KEEP = object()
-
-
-def split_config(config: str) -> tuple[str, str | None]:
-    """``"MODE_SPEC[@ATTENTION]"`` -> ``(mode_spec, attention_spec or None)``, e.g.
-    ``"full@sparse:threshold=0.5"`` -> ``("full", "sparse:threshold=0.5")``."""
-    mode, sep, attn = config.partition("@")
-    return mode, (attn if sep else None)
-
-
-def config_kernel(engine, config: str, default=_KEEP):
-    """The attention kernel a configuration runs with: its ``@ATTENTION`` part (block-sparse attention,
-    :func:`laserlm.attention.kernel.configure`), else ``default`` (``_KEEP``: the engine's current kernel).
-    The reference ``"full"`` always runs dense. The engine's kernel is left unchanged."""
-    _, attn = split_config(config)
-    if attn is None:
-        return None if config == "full" else (engine.kernel if default is _KEEP else default)
-    from ..attention.kernel import configure  # noqa: PLC0415
-
-    saved = engine.kernel
-    try:
-        return configure(engine, attn)
-    finally:
-        engine.kernel = saved
 
 
 class Scorer:

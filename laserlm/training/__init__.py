@@ -9,9 +9,7 @@ Pipeline (each stage a small module):
   exit point, trained by KL distillation to the full model's next-token distribution;
 - :mod:`.gates`: a tiny classifier per exit point predicting "exit head top-1 == full-model top-1"
   (focal loss);
-- :mod:`.router`: seed 004's DynamicRouter (route = number of layer groups for a whole request);
+- :mod:`.router`: labels and training of seed 004's DynamicRouter (:mod:`laserlm.depth.router`);
 - :mod:`.thresholds`: Learn-then-Test threshold calibration with a binomial-tail guarantee;
-- :mod:`.artifact`: one safetensors file (config in its header) tied to the base model's weights.
+- the result is one laser file (:mod:`laserlm.depth.laser_file`) tied to the base model's weight hash.
 """
-
-from .artifact import ARTIFACT_FORMAT_VERSION, CalibrationArtifact, load_artifact, save_artifact  # noqa: F401

@@ -1,5 +1,5 @@
 """``laserlm calibrate``: train exit heads, gates and the router on a frozen model and calibrate the exit
-threshold to a quality target; writes one safetensors artifact (see :mod:`laserlm.training.artifact`)."""
+threshold to a quality target; writes one laser file (see :mod:`laserlm.depth.laser_file`)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _positive(kind, name, allow_zero=False):
 
 
 def add_parser(subparsers) -> None:
-    from ..cli import add_model_args  # noqa: PLC0415
+    from ..cli_common import add_model_args  # noqa: PLC0415
 
     p = subparsers.add_parser(
         "calibrate", help="train exit heads/gates/router and calibrate exit thresholds to a quality target",
@@ -170,7 +170,7 @@ def check_output_paths(out, work_dir=None) -> None:
     """
     from pathlib import Path  # noqa: PLC0415
 
-    from ..cli import check_output_path  # noqa: PLC0415
+    from ..cli_common import check_output_path  # noqa: PLC0415
 
     out = Path(out)
     if not out.parent.is_dir():
@@ -186,7 +186,7 @@ def check_output_paths(out, work_dir=None) -> None:
 def cmd_calibrate(args) -> int:
     from pathlib import Path  # noqa: PLC0415
 
-    from ..cli import load_from_args  # noqa: PLC0415
+    from ..cli_common import load_from_args  # noqa: PLC0415
     from .pipeline import calibrate, format_summary  # noqa: PLC0415
 
     cfg = config_from_args(args)  # fail before the model loads

@@ -24,12 +24,13 @@ from tqdm.auto import tqdm
 
 from ..depth.groups import make_groups
 from ..depth.heads import GATE_FEATURES
+from ..depth.laser_file import LaserArtifact, save_laser_file
+from ..depth.router import DynamicRouter
 from ..errors import InvalidArgumentError
-from .artifact import save_artifact
 from .collect import ExitStates, collect_exit_states, load_text_tokens
 from .gates import GateTrainConfig, auroc, gate_probabilities, make_gates, train_gate
 from .heads import make_exit_heads
-from .router import DynamicRouter, collect_router_data, train_router
+from .router import collect_router_data, train_router
 from .stages import Stage, StageRunner
 from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
 from .thresholds import (calibrate_threshold, candidate_thresholds, exit_decisions, fixed_sequence_test,
@@ -415,8 +416,9 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     thresholds = {"gate_threshold": cal.threshold if cal.threshold is not None else 1.0}
     config = {"groups": groups.describe(), "min_depth": groups.min_depth, "policy": "gate",
               "ats_layer": ctx["ats_layer"], "bridge": cfg.bridge, "patience": 0, "calibration": summary}
-    save_artifact(output, lm, {e: heads[str(e)] for e in exits}, {e: gates[str(e)] for e in exits},
-                  thresholds, config, ctx["router"])
+    save_laser_file(output, lm, LaserArtifact(heads={e: heads[str(e)] for e in exits},
+                                              gates={e: gates[str(e)] for e in exits}, router=ctx["router"],
+                                              thresholds=thresholds, config=config), json_copy=True)
     return summary
 
 

@@ -47,7 +47,7 @@ def build_key() -> str:
 def _build():
     from torch.utils import cpp_extension  # noqa: PLC0415
 
-    from ..loader import cache_root  # noqa: PLC0415
+    from ..cache import cache_root  # noqa: PLC0415
 
     build_dir = cache_root() / "kernels" / build_key()
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -104,7 +104,7 @@ def _load_prebuilt():
     cache works), or ``None``."""
     import importlib.util  # noqa: PLC0415
 
-    from ..loader import cache_root  # noqa: PLC0415
+    from ..cache import cache_root  # noqa: PLC0415
 
     d = cache_root() / "kernels" / build_key()
     so = next(iter(sorted(d.glob("laserlm_quant*.so"))), None) if d.is_dir() else None
@@ -120,7 +120,7 @@ def _load_prebuilt():
 
 
 def cache_dir_built() -> bool:
-    from ..loader import cache_root  # noqa: PLC0415
+    from ..cache import cache_root  # noqa: PLC0415
 
     d = cache_root() / "kernels" / build_key()
     return any(d.glob("laserlm_quant*.so")) if d.is_dir() else False

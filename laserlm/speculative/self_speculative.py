@@ -36,7 +36,7 @@ full depth (the mode is lossless, so its logits *are* the full model's).
 
 Spec: ``speculative:draft_layers=12,k=4,threshold=0.5[,reuse=1]``; ``draft_layers``, ``k`` and
 ``threshold`` also take ``auto`` (``auto=1`` sets every option not given to ``auto``): a short
-calibration on local validation text picks them (see :mod:`laserlm.runtime.speculative_calibration`).
+calibration on local validation text picks them (see :mod:`laserlm.speculative.calibration`).
 
 ``laser=PATH`` (issue #6) drafts with the calibrated exit head (tuned-lens adapter + final norm + LM
 head, :class:`laserlm.depth.heads.ExitHead`) stored in a laser file (``laserlm calibrate --output``)
@@ -56,9 +56,9 @@ from typing import Callable
 import torch
 
 from ..errors import InvalidArgumentError
-from .loop import Emitted
-from .modes import FullDepth, ScoreOutput, register_mode
-from .sampling import check_finite, probabilities
+from ..runtime.loop import Emitted
+from ..runtime.modes import FullDepth, ScoreOutput
+from ..runtime.sampling import check_finite, probabilities
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -323,8 +323,8 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
     """The calibrated exit head of the laser file ``path`` at the draft depth.
 
     Args:
-        engine: the engine the file must have been made for (identity + weight fingerprint checked by
-            :func:`laserlm.depth.heads.load_laser_file`).
+        engine: the engine the file must have been made for (architecture + weight hash checked by
+            :func:`laserlm.depth.laser_file.load_laser_file`).
         path: laser file written by ``laserlm calibrate --output`` (or :func:`save_laser_file`).
         draft_layers: draft depth ``N`` (the head stored for exit layer ``N``, i.e. after layers
             ``0..N-1``, is used); ``None`` = the file's exit point in ``[1, L-1]`` closest to ``L // 2``
@@ -341,7 +341,7 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
     """
     from pathlib import Path  # noqa: PLC0415
 
-    from ..depth.heads import load_laser_file  # noqa: PLC0415
+    from ..depth.laser_file import load_laser_file  # noqa: PLC0415
 
     art = load_laser_file(path, engine)
     n_layers = engine.num_layers
@@ -363,7 +363,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH]`` -> :class:`SpeculativeDecoding`.
 
     ``draft_layers``, ``k`` and ``threshold`` accept ``auto``; ``auto=1`` makes every option not
-    given ``auto``. Auto options are chosen by :func:`~laserlm.runtime.speculative_calibration.calibrate`
+    given ``auto``. Auto options are chosen by :func:`~laserlm.speculative.calibration.calibrate`
     (about a minute of greedy decoding on WikiText-2 valid / ARC-Easy dev for smollm2-135m on 2 CPU cores,
     announced by one line on stderr, with a tqdm bar on a terminal), whose search is kept in
     ``mode.calibration`` and reported in the generation stats.
@@ -404,7 +404,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
             engine, opts["laser"], kwargs.get("draft_layers"))
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
     if auto:
-        from .speculative_calibration import calibrate  # noqa: PLC0415
+        from .calibration import calibrate  # noqa: PLC0415
 
         fixed = {key: getattr(mode, key) for key in ("draft_layers", "k", "threshold") if key not in auto}
         report = calibrate(engine, exit_head=mode.exit_head, reuse=mode.reuse, **fixed)
@@ -415,8 +415,6 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         mode.calibration = report
     return mode
 
-
-register_mode("speculative", make_speculative)
 
 __all__ = ["SpeculativeDecoding", "SpeculativeStats", "make_speculative", "laser_exit_head",
            "ExitHead"]

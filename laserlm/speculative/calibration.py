@@ -31,8 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
-from .loop import greedy_ids
-from .modes import FullDepth
+from ..runtime.loop import greedy_ids
+from ..runtime.modes import FullDepth
 
 DATA_DIR: Path | None = None  # None: the data directory of laserlm.data ($LASERLM_DATA or the checkout's)
 THRESHOLDS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9)

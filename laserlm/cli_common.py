@@ -1,0 +1,195 @@
+"""Helpers shared by the ``laserlm`` command and its tool subcommands (``eval``, ``bench``, ``calibrate``).
+
+Model-loading arguments and building the :class:`laserlm.LaserLM` from them, the attention and
+configuration flags, the checks that run before a model loads. ``laserlm.cli`` and the tools' ``cli``
+modules import this module; it imports neither of them (one direction: tools <- cli_common <- cli, and
+``laserlm.cli`` imports the tools' CLIs, never the reverse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .errors import InvalidArgumentError, LaserLMError
+
+
+
+def dtype_arg(value: str) -> str:
+    """``--dtype`` values: the API's check (:func:`laserlm.models.dtypes.check_offered_dtype`), so both refuse
+    float16 with the same message."""
+    from .models.dtypes import check_offered_dtype  # noqa: PLC0415
+
+    try:
+        return check_offered_dtype(value)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by every command that loads a model."""
+    p.add_argument("--model", "-m", default="smollm2-135m",
+                   help="bundled name (see `laserlm models`), .gguf file, model directory or cached hub id "
+                        "(default: %(default)s)")
+    from .models.dtypes import OFFERED_DTYPES  # noqa: PLC0415
+
+    p.add_argument("--weights", "-w", choices=["auto", "fp32", "bf16", "int8", "int4", "native"], default="auto",
+                   help="weight format: native = a GGUF file's own quantization (4-bit types as int4 blocks, 5/6/8-bit "
+                        "as int8 blocks), int8/int4 = round-to-nearest blocks of 32 for any float model, fp32 = the "
+                        "exact reference path, bf16; auto = native for a GGUF file unless --dtype is given, else "
+                        "fp32 (default: %(default)s)")
+    p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{" + ",".join(OFFERED_DTYPES) + "}",
+                   help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 is not "
+                        "offered: it overflows)")
+    p.add_argument("--ctx-size", "-c", type=int, default=None,
+                   help="context size of the KV cache in tokens (default: min(4096, model limit))")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
+    add_attention_args(p)
+
+
+
+def add_attention_args(p: argparse.ArgumentParser) -> None:
+    """Block-sparse attention options (laserlm.attention); orthogonal to --mode."""
+    g = p.add_argument_group("attention")
+    g.add_argument("--attention", choices=["dense", "sparse"], default="dense",
+                   help="attention kernel: dense SDPA or block-sparse (default: %(default)s)")
+    g.add_argument("--sparse-threshold", type=float, default=None, metavar="C",
+                   help="sparse: keep key blocks whose coarse logit is within C*log(n) of the best block "
+                        "(the seed's C/sqrt(d_k)*log(n) on q.k/d_k); C >= 0, inf = dense (default: 0.5)")
+    g.add_argument("--sparse-mass", type=float, default=None, metavar="TAU",
+                   help="sparse: use the mass rule instead: fewest blocks reaching coarse softmax mass TAU in (0, 1]")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="sparse: positions per block (default: 64)")
+    g.add_argument("--dense-layers", type=int, default=None,
+                   help="sparse: the first N decoder layers stay dense (default: 2)")
+
+
+
+def add_mode_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="full",
+                   help="decoding mode spec NAME[:key=value,...], e.g. full, adaptive:..., speculative:... "
+                        "(default: %(default)s)")
+
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """Several configurations for ``eval`` / ``bench``: ``MODE_SPEC[@ATTENTION]``, e.g. ``full@sparse:threshold=0.5``.
+    Mode specs contain commas, so configurations are given one per ``--config`` flag or ``;``-separated
+    in ``--configs``."""
+    p.add_argument("--config", action="append", default=[], metavar="SPEC",
+                   help="configuration MODE[:k=v,...][@ATTENTION] to evaluate, repeatable, e.g. --config "
+                        "adaptive:policy=confidence,threshold=0.9 or full@sparse:threshold=0.5 (the dense "
+                        "full-depth reference 'full' is always included)")
+    p.add_argument("--configs", default="", metavar="SPEC;SPEC",
+                   help="several mode specs separated by ';' (quote it in the shell)")
+
+
+
+def config_specs(args) -> list[str]:
+    """The mode specs from ``--config`` / ``--configs``, ``full`` first, duplicates removed."""
+    specs = ["full"] + [s.strip() for s in args.config] + [s.strip() for s in args.configs.split(";")]
+    for s in specs:
+        if s.startswith(("-", ":")):
+            raise LaserLMError(f"bad configuration spec {s!r} (expected NAME[:key=value,...])")
+    specs = list(dict.fromkeys(s for s in specs if s))
+    from .modes import MODES  # noqa: PLC0415
+    from .runtime.modes import parse_spec  # noqa: PLC0415
+
+    for s in specs:  # unknown names and bad attention settings fail here, before the model loads
+        mode_spec, _, attn = s.partition("@")
+        name = parse_spec(mode_spec)[0]
+        if name not in MODES:
+            raise LaserLMError(f"unknown mode '{name}' in configuration '{s}'; available modes: {', '.join(sorted(MODES))}")
+        if attn:
+            from .attention import parse_attention  # noqa: PLC0415
+
+            parse_attention(attn)
+    return specs
+
+
+
+def global_attention_config(args, specs: list[str]) -> list[str]:
+    """With ``--attention sparse ...`` on ``eval`` / ``bench`` the reference ``full`` stays dense; when no
+    other configuration is given, ``full@<that attention>`` is added so the flag is measured, not ignored."""
+    kw = attention_kwargs(args)
+    if not kw or any(s != "full" for s in specs):
+        return specs
+    name = kw.pop("attention")
+    attn = f"{name}:" + ",".join(f"{k}={v}" for k, v in kw.items()) if kw else name
+    return specs + [f"full@{attn}"]
+
+
+
+def apply_threads(args) -> None:
+    if getattr(args, "threads", None) is not None:  # 0 is an error, not "unset"
+        import torch  # noqa: PLC0415
+
+        if args.threads < 1:
+            raise LaserLMError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
+
+def load_from_args(args):
+    """Build a :class:`laserlm.LaserLM` from the shared model arguments."""
+    from .api import load  # noqa: PLC0415
+
+    apply_threads(args)
+    return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, weights=getattr(args, "weights", "auto"),
+                **attention_kwargs(args))
+
+
+
+def attention_kwargs(args) -> dict:
+    """``load()`` keyword arguments from the --attention options (empty for dense without options)."""
+    attention = getattr(args, "attention", "dense") or "dense"
+    check_one_sparse_rule(args)
+    opts = {"threshold": getattr(args, "sparse_threshold", None), "block_size": getattr(args, "block_size", None),
+            "dense_layers": getattr(args, "dense_layers", None)}
+    if getattr(args, "sparse_mass", None) is not None:
+        opts.update(rule="mass", tau=args.sparse_mass)
+    opts = {k: v for k, v in opts.items() if v is not None}
+    if attention == "dense" and not opts:
+        return {}
+    from .attention import parse_attention  # noqa: PLC0415
+
+    parse_attention(attention, **opts)  # fail on bad settings before the model loads
+    return {"attention": attention, **opts}
+
+
+
+def check_one_sparse_rule(args) -> None:
+    """``--sparse-threshold`` and ``--sparse-mass`` pick two different block-selection rules; giving both
+    is ambiguous.
+
+    Raises:
+        InvalidArgumentError: both flags were given.
+    """
+    if getattr(args, "sparse_threshold", None) is not None and getattr(args, "sparse_mass", None) is not None:
+        raise InvalidArgumentError("--sparse-threshold and --sparse-mass select blocks by two different rules "
+                                   "(threshold rule / mass rule); give only one of them")
+
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Fail before any work (model load, measurements) when the output file of ``flag`` cannot be written.
+
+    ``path``: the file given to ``flag`` (e.g. ``--json PATH``, ``--plot PATH``); ``None`` (option not
+    given) and ``"-"`` (standard output) pass. The file itself need not exist; it is not created here.
+
+    Raises:
+        InvalidArgumentError: the path is a directory, or its directory is missing or not writable.
+    """
+    if path is None or path == "-":
+        return
+    from pathlib import Path  # noqa: PLC0415
+
+    target = Path(path)
+    parent = target.parent
+    if target.is_dir():
+        raise InvalidArgumentError(f"{flag} {path} is a directory; give a file path")
+    if not parent.is_dir():
+        raise InvalidArgumentError(f"{flag} {path}: directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidArgumentError(f"{flag} {path}: directory {parent} is not writable")
