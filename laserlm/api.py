@@ -72,14 +72,16 @@ class LaserLM:
     def resolve_spec(self, config: str, progress: bool = True) -> str:
         """The spec that runs for ``config`` (``MODE_SPEC[@ATTENTION]``): unchanged, except that a spec naming no
         exit rule (bare ``adaptive``) or no draft settings (bare ``speculative``) becomes the calibrated default
-        of a bundled model, built once into the cache (see :mod:`laserlm.defaults` for the exact rule).
+        of a bundled model, read from the cache or built once there by the installed builder (see
+        :mod:`laserlm.defaults` for the exact rule; the ``laserlm`` command installs the builder).
 
         Raises:
             InvalidArgumentError: a bare ``adaptive`` / ``speculative`` on a model that is not bundled (the message
-                says how to calibrate and which explicit thresholds to pass).
+                says how to calibrate and which explicit thresholds to pass); a bare ``adaptive`` whose artifact is
+                not built yet while no builder is installed (the message says how to build it).
             DataFileError: a first build finds no calibration text.
         """
-        from .defaults import resolve_spec  # noqa: PLC0415  (above the tools: may run calibration)
+        from .defaults import resolve_spec  # noqa: PLC0415
 
         return resolve_spec(self, config, progress=progress)
 

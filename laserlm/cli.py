@@ -168,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    from .defaults import set_adaptive_builder  # noqa: PLC0415
+    from .training.defaults import build_adaptive_default  # noqa: PLC0415
+
+    set_adaptive_builder(build_adaptive_default)  # bare `adaptive` on a bundled model builds its artifact once
     try:
         return args.func(args) or 0
     except LaserLMError as exc:

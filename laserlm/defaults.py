@@ -36,13 +36,17 @@ its draft rule when it has any of :data:`SPECULATIVE_RULE_OPTIONS` (``draft_laye
 ``auto``, ``laser``). Otherwise (``speculative`` or ``speculative:reuse=...``):
 
 - on a bundled model it becomes ``speculative:draft_layers=N,k=K,threshold=T``: the settings
-  ``speculative:auto=1`` picks (:mod:`laserlm.runtime.speculative_calibration`: greedy traces on validation
+  ``speculative:auto=1`` picks (:mod:`laserlm.speculative.calibration`: greedy traces on validation
   text and per-layer costs measured on this machine, about a minute), searched once and cached in
   ``<cache>/defaults/`` keyed by model, weights, dtype, the CPU's model name, the thread count and the data;
 - on other models it is refused, naming ``speculative:auto=1`` and explicit ``draft_layers/k/threshold``.
 
-Layering: this module sits above the tools (like :mod:`laserlm.api`): it may call calibration
-(:mod:`laserlm.training`); the depth and speculative modes never import it.
+Layering: this module sits in the API layer beside :mod:`laserlm.api` (below the tools), so it cannot call
+calibration itself. Building the adaptive artifact is :func:`laserlm.training.defaults.build_adaptive_default`
+(tool level); the ``laserlm`` command installs it with :func:`set_adaptive_builder` before any subcommand runs
+(``generate``, ``eval``, ``bench`` build on first use). Without a builder (plain Python API) a missing artifact
+is an :class:`~laserlm.errors.InvalidArgumentError` that says how to build it; a built one is reused either way.
+The speculative search lives in :mod:`laserlm.speculative` (below this layer), so it runs from here.
 """
 
 from __future__ import annotations
@@ -66,8 +70,9 @@ SPECULATIVE_FILE = "speculative.json"
 BUILD_MINUTES = {"smollm2-135m": 6, "gemma3-270m": 12}  # default-size calibration on 2 idle cores (estimates)
 
 __all__ = ["ADAPTIVE_PASS_THROUGH", "ADAPTIVE_RULE_OPTIONS", "SPECULATIVE_PASS_THROUGH", "SPECULATIVE_RULE_OPTIONS",
-           "adaptive_artifact_path", "bundled_name", "default_calibrate_config", "ensure_adaptive_artifact",
-           "ensure_speculative_settings", "needs_default", "resolve_spec", "speculative_settings_path"]
+           "adaptive_artifact_path", "adaptive_default", "build_lock", "bundled_name", "check_before_load",
+           "ensure_speculative_settings", "needs_default", "resolve_spec", "set_adaptive_builder",
+           "speculative_settings_path"]
 
 
 # -- which specs take a default --------------------------------------------------------------------------
@@ -132,7 +137,7 @@ def resolve_spec(lm, config: str, progress: bool = True) -> str:
     if kind == "adaptive":
         if model is None:
             raise InvalidArgumentError(_refusal_adaptive(engine))
-        path = ensure_adaptive_artifact(engine, progress=progress)
+        path = adaptive_default(engine, progress=progress)
         new = f"adaptive:laser={path}{extra}"
     else:
         if model is None:
@@ -199,43 +204,73 @@ def _entry_dir(engine, kind: str, key: dict) -> Path:
     return cache_root() / DEFAULTS_DIR / f"{engine.loaded.name}-{engine.weights}-{dtype}-{kind}-{_digest(key)}"
 
 
-def default_calibrate_config(data=None):
-    """The settings the cached adaptive artifact is calibrated with: ``laserlm calibrate``'s defaults
-    (:class:`~laserlm.training.pipeline.CalibrateConfig`, target agreement 0.99, delta 0.1, propagate bridge).
-    ``data``: the calibration text source (``None``: WikiText-2 valid of the default data directory)."""
-    from .training.pipeline import CalibrateConfig  # noqa: PLC0415
-
-    return CalibrateConfig(data=data).validate()
-
-
-def _calibration_source(cfg):
-    from .data import resolve  # noqa: PLC0415
-    from .training.collect import DEFAULT_TEXT  # noqa: PLC0415
-
-    return resolve(cfg.data, DEFAULT_TEXT, what="calibration text for the calibrated adaptive default",
-                   default_split="validation")
-
-
 def _laser_format_version():
-    from .depth.heads import FORMAT_VERSION  # noqa: PLC0415
+    from .depth.laser_file import FORMAT_VERSION  # noqa: PLC0415
 
     return FORMAT_VERSION
 
 
-def adaptive_artifact_path(engine, cfg=None) -> Path:
-    """Where the calibrated adaptive artifact of ``engine``'s model is cached (it need not exist yet).
+def calibration_data_key(data=None) -> str:
+    """The calibration text ``data`` (``None``: WikiText-2 valid of the default data directory) as part of a cache
+    key: a file's content hash, a dataset's name.
+
+    Raises:
+        DataFileError: the text is not found (the message names ``$LASERLM_DATA``).
+    """
+    from .data import resolve  # noqa: PLC0415
+
+    return _data_key(resolve(data, "wikitext-2/valid.txt", what="calibration text for the calibrated adaptive default",
+                             default_split="validation"))
+
+
+def adaptive_artifact_path(engine, settings: dict | None = None, data=None) -> Path:
+    """Where the calibrated adaptive artifact of ``engine``'s model is cached (it need not exist yet): keyed by the
+    model, its GGUF file, weight format, dtype, the calibration ``settings`` (``None``: ``laserlm calibrate``'s
+    defaults; a dict: :meth:`~laserlm.training.pipeline.CalibrateConfig.to_dict` of other settings), the
+    calibration text and the laser-file format.
 
     Raises:
         DataFileError: the calibration text is not found.
     """
-    cfg = cfg or default_calibrate_config()
-    key = {**_model_key(engine), "calibrate": cfg.to_dict(), "data": _data_key(_calibration_source(cfg)),
-           "laser_format": _laser_format_version()}
+    key = {**_model_key(engine), "calibrate": "defaults" if settings is None else settings,
+           "data": calibration_data_key(data), "laser_format": _laser_format_version()}
     return _entry_dir(engine, "adaptive", key) / ADAPTIVE_FILE
 
 
+_ADAPTIVE_BUILDER = None  # callable(engine, progress) -> Path; installed by the laserlm command
+
+
+def set_adaptive_builder(builder) -> None:
+    """Install ``builder(engine, progress=...) -> Path`` (normally
+    :func:`laserlm.training.defaults.build_adaptive_default`) that builds the calibrated adaptive artifact when the
+    cache has none; ``None`` removes it."""
+    global _ADAPTIVE_BUILDER
+    _ADAPTIVE_BUILDER = builder
+
+
+def adaptive_default(engine, progress: bool = True) -> Path:
+    """The calibrated adaptive artifact of ``engine``'s bundled model: built by the installed builder (which returns at
+    once when the cache has it), else read from the cache.
+
+    Raises:
+        InvalidArgumentError: no builder is installed and the cache has no artifact (the message says how to build it).
+        DataFileError: the calibration text is not found.
+    """
+    if _ADAPTIVE_BUILDER is not None:
+        return Path(_ADAPTIVE_BUILDER(engine, progress=progress))
+    path = adaptive_artifact_path(engine)
+    if path.is_file():
+        return path
+    name = engine.loaded.name
+    raise InvalidArgumentError(
+        f"mode 'adaptive' on {name} uses its calibrated artifact, which is not built yet. Build it once (~"
+        f"{BUILD_MINUTES.get(name, 10)} min): `laserlm generate --model {name} --mode adaptive \"hello\"` on the "
+        "command line, or laserlm.training.defaults.build_adaptive_default(lm.engine) in Python; or pass laser=PATH "
+        "or explicit thresholds (adaptive:policy=confidence,threshold=0.99)")
+
+
 @contextlib.contextmanager
-def _build_lock(path: Path):
+def build_lock(path: Path):
     """An exclusive lock on ``path`` (one process builds a default at a time; others wait, then reuse it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -249,55 +284,6 @@ def _build_lock(path: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _lm_view(engine):
-    """What the calibration pipeline reads from a :class:`laserlm.LaserLM`: its engine, tokenizer and loaded model."""
-    from types import SimpleNamespace  # noqa: PLC0415
-
-    return SimpleNamespace(engine=engine, tokenizer=engine.tokenizer, loaded=engine.loaded)
-
-
-def ensure_adaptive_artifact(engine, cfg=None, progress: bool = True) -> Path:
-    """The cached calibrated adaptive artifact of ``engine``'s (bundled) model, built once with
-    :func:`laserlm.training.pipeline.calibrate` if it is absent. A build prints one notice line on stderr and the
-    calibration's progress bars (``progress``), works in ``<artifact>.work`` and resumes from it when an earlier
-    build was interrupted; the artifact appears atomically when complete. Returns its path.
-
-    ``cfg``: a :class:`~laserlm.training.pipeline.CalibrateConfig` (default: :func:`default_calibrate_config`);
-    tests pass small sizes.
-
-    Raises:
-        InvalidArgumentError: the model was not loaded through laserlm (no name / tokenizer to calibrate with).
-        DataFileError: the calibration text is not found.
-    """
-    engine = getattr(engine, "engine", engine)
-    if getattr(engine, "loaded", None) is None or getattr(engine, "tokenizer", None) is None:
-        raise InvalidArgumentError("the calibrated adaptive default needs a model loaded with laserlm.load "
-                                   "(its name and tokenizer); pass laser=PATH or explicit thresholds instead")
-    cfg = cfg or default_calibrate_config()
-    path = adaptive_artifact_path(engine, cfg)
-    if path.is_file():
-        return path
-    with _build_lock(path.with_name(path.name + ".lock")):
-        if path.is_file():  # another process built it while we waited
-            return path
-        from .training.pipeline import calibrate  # noqa: PLC0415
-
-        work = path.with_name(path.name + ".work")
-        mins = BUILD_MINUTES.get(engine.loaded.name)
-        eta = f" (~{mins} min on 2 cores)" if mins and cfg.to_dict() == default_calibrate_config(cfg.data).to_dict() else ""
-        resumed = " (resuming an interrupted build)" if (work / "manifest.json").is_file() else ""
-        if progress:
-            print(f"laserlm: building the calibrated adaptive-depth artifact for {engine.loaded.name} once{eta}"
-                  f"{resumed} into {path.parent}; later runs reuse it", file=sys.stderr, flush=True)
-        tmp = path.with_name("building-" + path.name)
-        calibrate(_lm_view(engine), cfg, tmp, resume=True, progress=progress, work_dir=work)
-        os.replace(tmp, path)
-        report = tmp.with_suffix(".json")
-        if report.is_file():
-            os.replace(report, path.with_suffix(".json"))
-    return path
 
 
 # -- speculative ---------------------------------------------------------------------------------------------
@@ -345,9 +331,9 @@ def ensure_speculative_settings(engine, progress: bool = True) -> dict:
     engine = getattr(engine, "engine", engine)
     path = speculative_settings_path(engine)
     if not path.is_file():
-        with _build_lock(path.with_name(path.name + ".lock")):
+        with build_lock(path.with_name(path.name + ".lock")):
             if not path.is_file():
-                from .runtime.speculative_calibration import calibrate  # noqa: PLC0415
+                from .speculative.calibration import calibrate  # noqa: PLC0415
 
                 if progress:
                     print(f"laserlm: tuning the speculative draft settings for {engine.loaded.name} once (about a "

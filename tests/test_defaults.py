@@ -83,7 +83,7 @@ def test_api_refuses_bare_adaptive_on_a_non_bundled_model_and_runs_explicit_ones
     with pytest.raises(InvalidArgumentError, match="laserlm calibrate"):
         Evaluator(lm, ["adaptive"], EvalSettings(progress=False))
     full = lm.generate("hello", max_new_tokens=3, ignore_eos=True).token_ids
-    assert len(lm.generate("hello", mode="adaptive:policy=confidence,threshold=0.9", max_new_tokens=3,
+    assert len(lm.generate("hello", mode="adaptive:groups=2,policy=confidence,threshold=0.9", max_new_tokens=3,
                            ignore_eos=True).token_ids) == 3
     assert lm.generate("hello", mode="speculative:draft_layers=2,k=2", max_new_tokens=3,
                        ignore_eos=True).token_ids == full
@@ -103,14 +103,14 @@ def _small_calibration(data=None):
                            bridge="deferred").validate()
 
 
-def test_bundled_adaptive_builds_a_calibrated_artifact_once_and_reuses_it(smol, tmp_path, monkeypatch, capsys):
-    import laserlm
-    from laserlm.depth.heads import load_laser_file
-    from laserlm.depth.scheduler import AdaptiveDepth
+@pytest.fixture
+def small_builder(tmp_path, monkeypatch):
+    """An empty cache and a builder that calibrates at :func:`_small_calibration` sizes; yields the calls made to
+    the calibration pipeline."""
     from laserlm.training import pipeline
+    from laserlm.training.defaults import build_adaptive_default
 
     monkeypatch.setenv("LASERLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(defaults, "default_calibrate_config", _small_calibration)
     calls = []
     real = pipeline.calibrate
 
@@ -119,9 +119,21 @@ def test_bundled_adaptive_builds_a_calibrated_artifact_once_and_reuses_it(smol, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "calibrate", counting)
-    expect = defaults.adaptive_artifact_path(smol.engine)
+    monkeypatch.setattr(defaults, "_ADAPTIVE_BUILDER",
+                        lambda engine, progress=True: build_adaptive_default(engine, _small_calibration(), progress))
+    return calls
+
+
+def test_bundled_adaptive_builds_a_calibrated_artifact_once_and_reuses_it(smol, tmp_path, small_builder, capsys):
+    import laserlm
+    from laserlm.depth.laser_file import load_laser_file
+    from laserlm.depth.scheduler import AdaptiveDepth
+
+    calls = small_builder
+    expect = defaults.adaptive_artifact_path(smol.engine, _small_calibration().to_dict())
     assert expect.parent.parent == tmp_path / defaults.DEFAULTS_DIR and not expect.exists()
     assert "smollm2-135m" in expect.parent.name and smol.weights in expect.parent.name
+    assert expect != defaults.adaptive_artifact_path(smol.engine)  # other settings: another cache entry
     spec = smol.resolve_spec("adaptive")
     assert spec == f"adaptive:laser={expect}"
     err = capsys.readouterr().err
@@ -131,7 +143,7 @@ def test_bundled_adaptive_builds_a_calibrated_artifact_once_and_reuses_it(smol, 
     assert set(art.heads) == {10, 20} and "gate_threshold" in art.thresholds
     assert json.loads(expect.with_suffix(".json").read_text())["config"]["calibration"]["settings"]["groups"] == "10"
     assert not list(expect.parent.glob("building-*"))
-    # later runs (a new LaserLM on the same model, other pass-through options, an attention suffix) reuse it
+    # later runs (a new LaserLM on the same model, pass-through options, an attention suffix) reuse it
     lm2 = laserlm.LaserLM(smol.loaded, max_seq_len=128)
     mode = lm2.mode("adaptive")
     assert isinstance(mode, AdaptiveDepth) and mode.heads and mode.patience == 0
@@ -140,28 +152,37 @@ def test_bundled_adaptive_builds_a_calibrated_artifact_once_and_reuses_it(smol, 
     assert lm2.resolve_spec("adaptive:bridge=deferred@sparse") == f"adaptive:laser={expect},bridge=deferred@sparse"
     assert len(calls) == 1, "the cached artifact was rebuilt"
     assert "building" not in capsys.readouterr().err
-    # other calibration settings are another cache entry
-    other = _small_calibration()
-    other.target_agreement = 0.6
-    assert defaults.adaptive_artifact_path(smol.engine, other) != expect
 
 
-def test_bundled_eval_and_bench_configs_use_the_calibrated_default(smol, tmp_path, monkeypatch):
+def test_without_a_builder_a_missing_artifact_is_an_error_that_says_how_to_build_it(smol, tmp_path, monkeypatch):
+    monkeypatch.setenv("LASERLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(defaults, "_ADAPTIVE_BUILDER", None)
+    with pytest.raises(InvalidArgumentError, match="not built yet.*laserlm generate --model smollm2-135m --mode adaptive"):
+        smol.resolve_spec("adaptive")
+
+
+def test_the_laserlm_command_installs_the_builder(monkeypatch, capsys):
+    from laserlm.cli import main
+    from laserlm.training.defaults import build_adaptive_default
+
+    monkeypatch.setattr(defaults, "_ADAPTIVE_BUILDER", None)
+    assert main(["models"]) == 0
+    assert defaults._ADAPTIVE_BUILDER is build_adaptive_default
+
+
+def test_bundled_eval_and_bench_configs_use_the_calibrated_default(smol, small_builder):
     from laserlm.bench.measure import EngineTarget
     from laserlm.evaluation.tasks import EvalSettings, Evaluator
 
-    monkeypatch.setenv("LASERLM_CACHE", str(tmp_path))
-    monkeypatch.setattr(defaults, "default_calibrate_config", _small_calibration)
-    path = defaults.ensure_adaptive_artifact(smol.engine, progress=False)
     ev = Evaluator(smol, ["adaptive"], EvalSettings(progress=False))
     assert ev.names == ["full", "adaptive"]  # the user's name is kept
     assert ev.scorers["adaptive"].mode.heads  # ... and runs the calibrated heads
     target = EngineTarget(smol, smol.resolve_spec("adaptive"))
-    assert target.mode.heads and str(path) in target.name
+    assert target.mode.heads and len(small_builder) == 1
 
 
 def test_bundled_speculative_tunes_once_and_stays_lossless(smol, tmp_path, monkeypatch, capsys):
-    from laserlm.runtime import speculative_calibration as sc
+    from laserlm.speculative import calibration as sc
 
     monkeypatch.setenv("LASERLM_CACHE", str(tmp_path))
     calls = []
@@ -192,7 +213,10 @@ def test_bare_adaptive_meets_its_target_on_the_shipped_prompts(tmp_path, monkeyp
     from laserlm.evaluation.tasks import load_prompts
     from laserlm.runtime.generate import encode_prompt
 
+    from laserlm.training.defaults import build_adaptive_default
+
     monkeypatch.setenv("LASERLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(defaults, "_ADAPTIVE_BUILDER", build_adaptive_default)
     lm = laserlm.load("smollm2-135m")
     mode = lm.mode("adaptive")
     path = defaults.adaptive_artifact_path(lm.engine)
