@@ -69,15 +69,38 @@ class LaserLM:
         fmts = ", ".join(f"{k} x{v}" for k, v in sorted(rep.formats.items()))
         return f"weights {self.weights} ({fmts}; {rep.nbytes / 2**20:.1f} MiB), activations {dtype}"
 
+    def resolve_spec(self, config: str, progress: bool = True) -> str:
+        """The spec that runs for ``config`` (``MODE_SPEC[@ATTENTION]``): unchanged, except that a spec naming no
+        exit rule (bare ``adaptive``) or no draft settings (bare ``speculative``) becomes the calibrated default
+        of a bundled model, read from the cache or built once there by the installed builder (see
+        :mod:`laserlm.defaults` for the exact rule; the ``laserlm`` command installs the builder).
+
+        Raises:
+            InvalidArgumentError: a bare ``adaptive`` / ``speculative`` on a model that is not bundled (the message
+                says how to calibrate and which explicit thresholds to pass); a bare ``adaptive`` whose artifact is
+                not built yet while no builder is installed (the message says how to build it).
+            DataFileError: a first build finds no calibration text.
+        """
+        from .defaults import resolve_spec  # noqa: PLC0415
+
+        return resolve_spec(self, config, progress=progress)
+
     def mode(self, spec="full"):
         """The decoding mode of a spec string such as ``"full"`` (see :mod:`laserlm.runtime.modes`), or a mode
-        object unchanged. Modes are stateless, so each spec is built once per :class:`LaserLM` and reused: a
-        laser file is read and checked once, ``speculative:auto=1`` searches once."""
+        object unchanged. The spec goes through :meth:`resolve_spec` first (bare ``adaptive`` / ``speculative``
+        take the calibrated default on bundled models and are refused on others). Modes are stateless, so each
+        spec is built once per :class:`LaserLM` and reused: a laser file is read and checked once,
+        ``speculative:auto=1`` searches once.
+
+        Raises:
+            InvalidArgumentError: unknown mode, bad options, or a bare ``adaptive`` / ``speculative`` on a model
+                that is not bundled.
+        """
         if not isinstance(spec, str):
             return spec
         key = spec.strip()
         if key not in self._modes:
-            self._modes[key] = make_mode(key, self.engine)
+            self._modes[key] = make_mode(self.resolve_spec(key), self.engine)
         return self._modes[key]
 
     def _token_source(self, mode) -> Callable:

@@ -94,6 +94,9 @@ def cmd_generate(args) -> int:
     if args.ctx_size is not None and args.ctx_size <= 0:
         raise LaserLMError(f"--ctx-size must be a positive integer, got {args.ctx_size}")
     check_chat_template(args)
+    from .defaults import check_before_load  # noqa: PLC0415
+
+    check_before_load(args.model, [args.mode])  # bare adaptive/speculative on a non-bundled model: refuse now
     lm = load_from_args(args)
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:
@@ -165,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    from .defaults import set_adaptive_builder  # noqa: PLC0415
+    from .training.defaults import build_adaptive_default  # noqa: PLC0415
+
+    set_adaptive_builder(build_adaptive_default)  # bare `adaptive` on a bundled model builds its artifact once
     try:
         return args.func(args) or 0
     except LaserLMError as exc:

@@ -12,7 +12,7 @@ counted on their own). Layers, bottom first (a module may import its own layer a
 | 2 | runtime | ``laserlm.runtime.*`` |
 | 3 | modes | ``laserlm.depth.*``, ``laserlm.speculative.*``, ``laserlm.attention.*`` |
 | 4 | registry | ``laserlm.modes`` (the table of named modes) |
-| 5 | api | ``laserlm`` (package root), ``laserlm.api`` |
+| 5 | api | ``laserlm`` (package root), ``laserlm.api``, ``laserlm.defaults`` (calibrated defaults of bare mode specs) |
 | 6 | tool helpers | ``laserlm.cli_common`` (CLI helpers shared by the tools' subcommands and the CLI), ``laserlm.reports`` (report helpers of ``eval`` and ``bench``) |
 | 7 | tools | ``laserlm.training.*``, ``laserlm.evaluation.*``, ``laserlm.bench.*`` |
 | 8 | cli | ``laserlm.cli`` |
@@ -21,7 +21,8 @@ Within a layer, packages are siblings and may not import each other (depth, spec
 evaluation and bench), except the edges in :data:`ALLOWED_SIBLING_EDGES`: ``speculative -> depth`` (the
 speculative draft can be a calibrated exit head read from a laser file; depth never imports speculative) and
 ``laserlm -> laserlm.api`` (the package root re-exports the API), ``laserlm.data -> laserlm.errors`` (the data
-resolver raises ``DataFileError``). What tools shared moved below them: the
+resolver raises ``DataFileError``), ``laserlm.api -> laserlm.defaults`` (``LaserLM.mode`` resolves bare
+``adaptive`` / ``speculative`` specs). What tools shared moved below them: the
 configuration syntax (``MODE[@ATTENTION]``) to ``laserlm.modes``, report helpers to ``laserlm.reports``. The api sits below the tools because tools drive a
 ``LaserLM`` (e.g. the lm-eval adapter calls ``laserlm.load``).
 
@@ -44,14 +45,15 @@ LAYERS = [  # (rank, layer name, package prefixes or exact module names)
     (2, "runtime", ("laserlm.runtime",)),
     (3, "modes", ("laserlm.depth", "laserlm.speculative", "laserlm.attention")),
     (4, "registry", ("laserlm.modes",)),
-    (5, "api", ("laserlm", "laserlm.api")),
+    (5, "api", ("laserlm", "laserlm.api", "laserlm.defaults")),
     (6, "tool helpers", ("laserlm.cli_common", "laserlm.reports")),
     (7, "tools", ("laserlm.training", "laserlm.evaluation", "laserlm.bench")),
     (8, "cli", ("laserlm.cli",)),
 ]
 # sibling packages of one layer that may import the other (from, to); keep minimal and acyclic
 ALLOWED_SIBLING_EDGES = {("laserlm.speculative", "laserlm.depth"), ("laserlm", "laserlm.api"),
-                         ("laserlm.data", "laserlm.errors")}  # the data resolver raises DataFileError
+                         ("laserlm.data", "laserlm.errors"),  # the data resolver raises DataFileError
+                         ("laserlm.api", "laserlm.defaults")}
 
 
 def module_names(root: Path = ROOT) -> dict[str, Path]:

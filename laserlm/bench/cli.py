@@ -108,6 +108,9 @@ def cmd_bench(args) -> int:
     tests = _validate(args)
     weights = _weight_list(args)
     specs = global_attention_config(args, config_specs(args))
+    from ..defaults import check_before_load  # noqa: PLC0415
+
+    check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
     args.weights = weights[0]
     lm = load_from_args(args)
     lms = [lm]
@@ -134,9 +137,8 @@ def cmd_bench(args) -> int:
     prompt_ids = random_prompt(eng.config.vocab_size, args.n_prompt, args.seed)
     targets = []
     for spec, one in [(spec, one) for one in lms for spec in specs]:
-        t = EngineTarget(one, spec)
-        if len(lms) > 1:
-            t.name = f"{spec} [{one.weights}]"
+        t = EngineTarget(one, one.resolve_spec(spec))  # bare adaptive/speculative: the calibrated default
+        t.name = f"{spec} [{one.weights}]" if len(lms) > 1 else spec
         try:  # an unrunnable configuration fails here with one line, before any measurement
             t.tg(prompt_ids[:1], 2)
         except LaserLMError:

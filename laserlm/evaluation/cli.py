@@ -91,6 +91,9 @@ def cmd_eval(args) -> int:
     settings = EvalSettings(data=args.data, limit=args.limit, seed=args.seed, window=args.window,
                             stride=args.stride, ppl_windows=args.ppl_windows, agreement_windows=args.agreement_windows,
                             gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)
+    from ..defaults import check_before_load  # noqa: PLC0415
+
+    check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
     lm = load_from_args(args)
     ev = Evaluator(lm, specs, settings)
     from ..reports import machine, now, write_json  # noqa: PLC0415

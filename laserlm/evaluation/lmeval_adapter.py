@@ -70,7 +70,8 @@ class LaserLMHarness(_Base):
             lm = laserlm.load(model, dtype=dtype)
         self.lm = lm
         self.mode_spec = mode.replace(";", ",")
-        self.scorer = Scorer(lm.engine, self.mode_spec)
+        resolve = getattr(lm, "resolve_spec", None)  # bare adaptive/speculative -> calibrated default
+        self.scorer = Scorer(lm.engine, resolve(self.mode_spec) if resolve else self.mode_spec)
         self.max_gen_toks = int(max_gen_toks)
 
     @classmethod

@@ -170,7 +170,8 @@ class Evaluator:
         self.lm = lm
         self.s = settings or EvalSettings()
         names = [REFERENCE] + [s for s in specs if s != REFERENCE]
-        self.scorers = {name: Scorer(lm.engine, name) for name in dict.fromkeys(names)}
+        resolve = getattr(lm, "resolve_spec", None)  # bare adaptive/speculative -> calibrated default (api level)
+        self.scorers = {name: Scorer(lm.engine, resolve(name) if resolve else name) for name in dict.fromkeys(names)}
         self._argmax_cache: dict[tuple[str, int], torch.Tensor] = {}
         for name in self.scorers:
             if name != REFERENCE:
