@@ -67,7 +67,9 @@ SPECULATIVE_PASS_THROUGH = ("reuse",)
 DEFAULTS_DIR = "defaults"  # under the cache root (laserlm.models.loader.cache_root)
 ADAPTIVE_FILE = "adaptive.laser.safetensors"
 SPECULATIVE_FILE = "speculative.json"
-BUILD_MINUTES = {"smollm2-135m": 6, "gemma3-270m": 12}  # default-size calibration on 2 idle cores (estimates)
+# default-size calibration on 2 idle cores with AVX512-BF16 (Zen 4, measured for smollm2; gemma3 estimated). On an
+# AVX2-only CPU (Zen 3) head training runs in float32 and took ~40 s per step (250 steps): hours, see RESULTS.md
+BUILD_MINUTES = {"smollm2-135m": 6, "gemma3-270m": 12}
 
 __all__ = ["ADAPTIVE_PASS_THROUGH", "ADAPTIVE_RULE_OPTIONS", "SPECULATIVE_PASS_THROUGH", "SPECULATIVE_RULE_OPTIONS",
            "adaptive_artifact_path", "adaptive_default", "build_lock", "bundled_name", "check_before_load",

@@ -1,6 +1,10 @@
-"""Runtime: KV cache, attention hook, engine (layer loop), sampling and generation."""
+"""Runtime: engine (layer loop with explicit positions), KV cache, attention hook, sampling, requests and the one
+generation loop."""
 
 from .engine import Engine, ForwardOutput, StepStats
-from .kv_cache import KVCache
+from .kv_cache import CacheWindow, KVCache
+from .loop import Emitted, RequestRun, advance, generate_tokens, start
+from .request import Request, new_request
 
-__all__ = ["Engine", "ForwardOutput", "KVCache", "StepStats"]
+__all__ = ["CacheWindow", "Emitted", "Engine", "ForwardOutput", "KVCache", "Request", "RequestRun", "StepStats",
+           "advance", "generate_tokens", "new_request", "start"]

@@ -25,6 +25,23 @@ def default_calibrate_config(data=None) -> CalibrateConfig:
     return CalibrateConfig(data=data).validate()
 
 
+def _float_engine(engine, progress: bool):
+    """``engine`` itself for float weights; for packed weights (``int8`` / ``int4`` / ``native``) an engine on the
+    float32 weights of the same checkpoint. Training exit heads backpropagates through the LM head, which packed
+    matrices do not support at speed (measured: ~35 s per head-training step on ``native`` smollm2-135m against
+    well under a second on float32). The artifact made on the float weights loads on every weight format of the
+    checkpoint: a laser file is identified by the hash of the float weights, taken before packing."""
+    if getattr(engine.loaded, "pack_report", None) is None:
+        return engine
+    from ..models.loader import load_model  # noqa: PLC0415
+    from ..runtime.engine import Engine  # noqa: PLC0415
+
+    if progress:
+        print(f"laserlm: calibrating on the float32 weights of {engine.loaded.name} (the artifact also serves "
+              f"--weights {engine.weights})", file=sys.stderr, flush=True)
+    return Engine(load_model(engine.loaded.name, dtype="float32", weights="fp32"))
+
+
 def build_adaptive_default(engine, cfg: CalibrateConfig | None = None, progress: bool = True) -> Path:
     """The cached calibrated adaptive artifact of ``engine``'s model (a :class:`laserlm.LaserLM` or its engine),
     built with :func:`laserlm.training.pipeline.calibrate` when absent; returns its path.
@@ -62,7 +79,8 @@ def build_adaptive_default(engine, cfg: CalibrateConfig | None = None, progress:
             print(f"laserlm: building the calibrated adaptive-depth artifact for {name} once{eta}{resumed} into "
                   f"{path.parent}; later runs reuse it", file=sys.stderr, flush=True)
         tmp = path.with_name("building-" + path.name)
-        lm = SimpleNamespace(engine=engine, tokenizer=engine.tokenizer, loaded=engine.loaded)
+        calib = _float_engine(engine, progress)
+        lm = SimpleNamespace(engine=calib, tokenizer=calib.tokenizer, loaded=calib.loaded)
         pipeline.calibrate(lm, cfg, tmp, resume=True, progress=progress, work_dir=work)
         report = tmp.with_suffix(".json")
         if report.is_file():
