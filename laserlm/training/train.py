@@ -131,15 +131,16 @@ _BF16_FASTER: bool | None = None
 
 
 def bf16_matmul_is_faster() -> bool:
-    """Whether a bfloat16 matmul (64 x 256 @ 256 x 2048) runs faster than float32 on this CPU, timed once per
-    process (best of 3 each). With AVX512-BF16 or AMX it is ~2x faster; without them (e.g. AMD Zen 3,
+    """Whether a bfloat16 matmul (64 x 576 @ 576 x 2048, LM-head shaped) runs faster than float32 on this CPU, timed
+    once per process (best of 3 each; at this size emulated bf16 is ~100x slower, native bf16 ~2x faster, so the
+    answer does not hinge on timing noise as it did with a smaller probe). With AVX512-BF16 or AMX it is ~2x faster; without them (e.g. AMD Zen 3,
     AVX2 only) PyTorch emulates it and one head-training step took ~32 s instead of well under a second."""
     global _BF16_FASTER
     if _BF16_FASTER is None:
         import time  # noqa: PLC0415
 
         def best(dtype):
-            a, b = torch.randn(64, 256).to(dtype), torch.randn(256, 2048).to(dtype)
+            a, b = torch.randn(64, 576).to(dtype), torch.randn(576, 2048).to(dtype)
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
