@@ -67,8 +67,8 @@ SPECULATIVE_PASS_THROUGH = ("reuse",)
 DEFAULTS_DIR = "defaults"  # under the cache root (laserlm.models.loader.cache_root)
 ADAPTIVE_FILE = "adaptive.laser.safetensors"
 SPECULATIVE_FILE = "speculative.json"
-# default-size calibration on 2 idle cores with AVX512-BF16 (Zen 4, measured for smollm2; gemma3 estimated). On an
-# AVX2-only CPU (Zen 3) head training runs in float32 and took ~40 s per step (250 steps): hours, see RESULTS.md
+# default-size calibration on 2 idle cores: smollm2 measured ~6 min on Zen 4 (AVX512-BF16), ~13.5 min on Zen 3
+# (float32 head training); gemma3 estimated
 BUILD_MINUTES = {"smollm2-135m": 6, "gemma3-270m": 12}
 
 __all__ = ["ADAPTIVE_PASS_THROUGH", "ADAPTIVE_RULE_OPTIONS", "SPECULATIVE_PASS_THROUGH", "SPECULATIVE_RULE_OPTIONS",
