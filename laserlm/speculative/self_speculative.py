@@ -169,7 +169,7 @@ class SpeculativeDecoding:
     def prefill(self, engine, request) -> list[Emitted]:
         t0 = time.perf_counter()
         out = engine.prefill(request.prompt_ids.unsqueeze(0), cache=request.cache)
-        cur = self._pick(request, out.logits[0, -1])
+        cur = request.sample(out.logits[0, -1])
         request.state.prefill_s = time.perf_counter() - t0
         return [Emitted(cur, engine.num_layers, {"kind": "prefill"})]
 
@@ -202,12 +202,6 @@ class SpeculativeDecoding:
         """Teacher-forced logits ``[T, V]``: speculative decoding is lossless, so these are the full
         model's (computed at full depth; ``layers`` = L for every position)."""
         return FullDepth().score(engine, input_ids)
-
-    def _pick(self, request, logits: torch.Tensor) -> int:
-        """A token from full-model ``logits [V]`` (greedy or filtered sampling)."""
-        if request.params.greedy:
-            return int(check_finite(logits).argmax())
-        return int(torch.multinomial(probabilities(logits, request.params), 1, generator=request.generator))
 
     def _cycle(self, engine, request, cur: int, k: int) -> tuple[list[int], int, float]:
         """One draft + verify cycle from ``cur``; returns (emitted tokens, drafted count, layer passes)."""
