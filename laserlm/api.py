@@ -19,6 +19,7 @@ from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationResult, encode_prompt, eos_token_ids
 from .runtime.loop import generate_tokens
 from .runtime.sampling import SamplingParams
+from .runtime.scheduler import BatchConfig, Scheduler
 
 
 class LaserLM:
@@ -135,6 +136,93 @@ class LaserLM:
     def generate(self, prompt, *, chat: bool = False, mode: str = "full", **sampling) -> GenerationResult:
         """Generate to completion; returns a :class:`~laserlm.runtime.generate.GenerationResult`."""
         return self.stream(prompt, chat=chat, mode=mode, **sampling).run()
+
+    def scheduler(self, kv_budget=None, **batch_options) -> Scheduler:
+        """A continuous-batching :class:`~laserlm.runtime.scheduler.Scheduler` on this model's engine, with a
+        paged KV pool of ``kv_budget`` (MiB or ``"8192t"`` tokens; default 512 MiB). ``batch_options``: the other
+        fields of :class:`~laserlm.runtime.scheduler.BatchConfig` (``max_batch``, ``page_size``, ``eviction`` ...).
+
+        Raises:
+            InvalidArgumentError: bad settings.
+        """
+        return Scheduler(self.engine, BatchConfig(kv_budget=kv_budget, **batch_options), self.eos_ids)
+
+    def generate_batch(self, prompts, *, chat: bool = False, mode: str = "full", kv_budget=None,
+                       batch_options: dict | None = None, progress: bool = False,
+                       **sampling) -> list[GenerationResult]:
+        """Generate for every prompt with continuous batching (:mod:`laserlm.runtime.scheduler`); returns one
+        :class:`~laserlm.runtime.generate.GenerationResult` per prompt, in order. Each result is what
+        :meth:`generate` gives for that prompt alone (same mode, same seed), up to float rounding of batched
+        matmuls; ``ttft_s`` includes the time the request waited for a slot.
+
+        Args:
+            prompts: texts or chat message lists.
+            mode: decoding mode spec for every request.
+            kv_budget, batch_options: see :meth:`scheduler`.
+            progress: a tqdm bar over finished requests.
+            **sampling: fields of :class:`~laserlm.runtime.sampling.SamplingParams`, shared by all requests.
+
+        Raises:
+            InvalidArgumentError, ContextLengthError: as :meth:`generate`, before anything runs.
+            PoolFullError: a request that could never fit ``kv_budget``.
+        """
+        params = SamplingParams(**sampling).validate()
+        m = self.mode(mode)
+        ids = [encode_prompt(self.tokenizer, p, chat, self.engine.max_seq_len) for p in prompts]
+        sched = self.scheduler(kv_budget, **(batch_options or {}))
+        tok = self.tokenizer
+        stop_check = None
+        if params.stop:
+            def stop_check(req):
+                text = tok.decode(req.output_ids, skip_special_tokens=True)
+                return any(s in text for s in params.stop)
+        rids, pending = [], list(range(len(ids)))
+        bar = None
+        if progress:
+            from tqdm import tqdm  # noqa: PLC0415
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        for i in pending:  # every request must fit before any runs
+            need = sched.reservation(ids[i].numel() + min(params.max_new_tokens, self.engine.max_seq_len - ids[i].numel()))
+            if need > sched.pool.num_pages:
+                sched.submit(ids[i], params, m, stop_check=stop_check)  # raises the budget error
+        queue = list(range(len(ids)))
+        rid_of: dict[int, str] = {}
+        while queue or sched.has_unfinished:
+            while queue and len(sched.waiting) < sched.config.max_queue:
+                i = queue.pop(0)
+                rid_of[i] = sched.submit(ids[i], params, m, stop_check=stop_check)
+            for out in sched.step():
+                if out.finished and bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        rids = [rid_of[i] for i in range(len(ids))]
+        results = []
+        for i, rid in enumerate(rids):
+            seq = sched.get(rid)
+            gen = Generation(tok, ids[i], _Replay(seq), params, self.eos_ids, self.engine.max_seq_len)
+            results.append(gen.run())
+        self.last_batch_summary = sched.summary()
+        return results
+
+
+class _Replay:
+    """A finished scheduler request's events as a token source for :class:`Generation` (text, stop strings,
+    finish reason and statistics are computed exactly as for :meth:`LaserLM.generate`)."""
+
+    def __init__(self, seq):
+        self.seq = seq
+
+    def __call__(self, prompt_ids, params, max_tokens):
+        return self
+
+    def __iter__(self):
+        return iter(self.seq.events)
+
+    def summary(self) -> dict:
+        fn = getattr(self.seq.mode, "summary", None)
+        return fn(self.seq.request) if fn is not None and self.seq.request.state is not None else {}
 
 
 def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,

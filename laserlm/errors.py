@@ -40,3 +40,10 @@ class NonFiniteLogitsError(LaserLMError):
 
     Raised by the generation loop before a token is picked, since every token drawn from such logits would be
     garbage (the argmax of all-NaN logits is token 0)."""
+
+
+class PoolFullError(LaserLMError):
+    """The KV memory pool cannot take a request: it could never fit the budget, or the waiting queue is full.
+
+    The message names the budget (``--kv-budget``) and what to change. Requests already admitted are never
+    dropped for lack of pages (admission reserves their pages)."""

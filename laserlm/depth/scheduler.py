@@ -88,6 +88,7 @@ class AdaptiveDepth:
     """
 
     name = "adaptive"
+    prefill_key = "full"  # the prompt runs at full depth (exits start with the first generated token)
 
     def __init__(self, engine, groups: LayerGroups, policy: ExitPolicy, bridge="propagate", patience: int = 3,
                  heads: dict | None = None, ats_layer: int | None = None, score: str | None = None,
@@ -161,13 +162,15 @@ class AdaptiveDepth:
         return DepthState(PatienceState(), engine.num_layers)
 
     @torch.inference_mode()
-    def prefill_logits(self, engine, rs: DepthState, cache, input_ids: torch.Tensor) -> torch.Tensor:
-        """Run ``input_ids [T]`` at full depth into ``cache`` from position 0 (the router picks the request's
-        route first); returns the last position's logits ``[V]``."""
-        cache.reset()
+    def prefill_logits(self, engine, rs: DepthState, cache, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Run ``input_ids [T]`` at full depth into ``cache`` from position ``start`` (the positions before it
+        are already cached; the router picks the request's route from the whole prompt first); returns the last
+        position's logits ``[V]``."""
+        cache.crop(start)
+        ids = input_ids.reshape(-1)
         if self.router is not None:
-            rs.route_layer = self.router.route(engine, input_ids.reshape(-1))
-        h, st = engine.begin(input_ids.reshape(1, -1), start=0, cache=cache)
+            rs.route_layer = self.router.route(engine, ids)
+        h, st = engine.begin(ids[start:].reshape(1, -1), start=start, cache=cache)
         self._configure(engine, st, rs)
         h = engine.run_layers(0, engine.num_layers, h, st)
         engine.commit(st)
@@ -228,7 +231,7 @@ class AdaptiveDepth:
         return res.logits[0], info
 
     def prefill(self, engine, request) -> list[Emitted]:
-        logits = self.prefill_logits(engine, request.state, request.cache, request.prompt_ids)
+        logits = self.prefill_logits(engine, request.state, request.cache, request.prompt_ids, request.prefilled)
         L = engine.num_layers
         return [Emitted(request.sample(logits), L, {"exit_layer": L, "exit_group": len(self.groups) - 1,
                                                     "phase": "prefill", "compute_layers": L})]

@@ -60,9 +60,10 @@ class StepState:
     """State of one forward in progress (between :meth:`Engine.begin` and :meth:`Engine.commit`).
 
     Attributes:
-        positions: ``[T]`` absolute positions of the new tokens.
-        position_ids: ``[1, T]`` the same, as transformers expects.
-        rope: rotary ``(cos, sin)`` per layer type, each ``[1, T, head_dim]``.
+        positions: ``[T]`` absolute positions of the new tokens (``[B, T]`` for the rows of a
+            :class:`~laserlm.runtime.kv_pool.PagedBatch`, each at its own position).
+        position_ids: ``[1, T]`` (or ``[B, T]``) the same, as transformers expects.
+        rope: rotary ``(cos, sin)`` per layer type, each ``[1, T, head_dim]`` (``[B, T, head_dim]``).
         ctx: the attention context of this forward.
         window: the positions this forward writes in its KV cache (``None``: a stand-alone forward).
     """
@@ -178,6 +179,8 @@ class Engine:
             all_pos = torch.arange(self.max_seq_len).unsqueeze(0)
             probe = torch.zeros(1, 1, 1, dtype=self.dtype)
             self._rope_tables = {t: (c[0], s[0]) for t, (c, s) in self.adapter.rope(probe, all_pos).items()}
+        if positions.dim() == 2:  # rows at their own positions: [B, T, head_dim]
+            return {t: (c[positions], s[positions]) for t, (c, s) in self._rope_tables.items()}
         start, end = int(positions[0]), int(positions[-1]) + 1
         return {t: (c[start:end].unsqueeze(0), s[start:end].unsqueeze(0)) for t, (c, s) in self._rope_tables.items()}
 
@@ -189,7 +192,10 @@ class Engine:
         Args:
             start: absolute position of the first token (default: the end of ``cache``); at most the
                 cache's length (a forward may rewrite positions, never leave a hole).
-            cache: the KV cache read and written (default: the engine's own).
+            cache: the KV cache read and written (default: the engine's own): a
+                :class:`~laserlm.runtime.kv_cache.KVCache`, a request's
+                :class:`~laserlm.runtime.kv_pool.PagedCache`, or a :class:`~laserlm.runtime.kv_pool.PagedBatch`
+                (several requests, one row each, every row appended at its own length; ``start`` must be None).
             use_cache: False: a stand-alone forward from position 0 that reads and writes no cache (any batch).
 
         Returns ``(hidden [B, T, d], state)``.
@@ -208,16 +214,15 @@ class Engine:
             cache = self.cache if cache is None else cache
             if b != cache.batch_size:
                 raise InvalidArgumentError(f"batch of {b} sequences but the KV cache holds {cache.batch_size}")
-            window = cache.window(cache.length if start is None else int(start), t)
-            first = window.start
+            window = cache.window(None if start is None else int(start), t)
+            positions = window.positions  # [T], or [B, T] for the rows of a paged batch
         else:
-            first = 0
             if t > self.max_seq_len:
                 raise ContextLengthError(f"{t} tokens exceed the context size {self.max_seq_len}")
-        positions = torch.arange(first, first + t)
+            positions = torch.arange(t)
         hidden = self.adapter.embed(input_ids)
         ctx = attn.AttentionContext(q_positions=positions, kv_offset=0, kernel=self.kernel)
-        state = StepState(positions=positions, position_ids=positions.unsqueeze(0),
+        state = StepState(positions=positions, position_ids=positions if positions.dim() == 2 else positions.unsqueeze(0),
                           rope=self._rope(hidden, positions), ctx=ctx, window=window, t0=time.perf_counter())
         return hidden, state
 
@@ -276,11 +281,14 @@ class Engine:
         t = state.positions.shape[0]
         return ForwardOutput(out, StepStats(t, [self.num_layers] * t, time.perf_counter() - state.t0))
 
-    def prefill(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
-        """Process a prompt ``[B, T]`` at full depth from position 0 of ``cache`` (default: the engine's own,
-        which is emptied first); returns the last position's logits ``[B, 1, V]``."""
-        (cache or self.cache).reset()
-        return self.forward(input_ids, logits="last", start=0, cache=cache)
+    def prefill(self, input_ids: torch.Tensor, cache=None, start: int = 0) -> ForwardOutput:
+        """Process prompt tokens ``[B, T]`` at full depth from position ``start`` of ``cache`` (default: the
+        engine's own), which is first cut back to ``start`` positions (``start > 0``: the first positions are
+        already there, from a shared prefix or earlier prefill chunks); returns the last position's logits
+        ``[B, 1, V]``."""
+        cache = self.cache if cache is None else cache
+        cache.crop(start)
+        return self.forward(input_ids, logits="last", start=start, cache=cache)
 
     def decode_step(self, token_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
         """One decode step after the cached positions: ``token_ids [B]`` or ``[B, 1]`` -> next-token logits

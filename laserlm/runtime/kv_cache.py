@@ -43,8 +43,8 @@ class KVCache:
         self.batch_size = batch_size
         self.length = 0
 
-    def window(self, start: int, num_tokens: int) -> CacheWindow:
-        """A write window for positions ``[start, start + num_tokens)``.
+    def window(self, start: int | None, num_tokens: int) -> CacheWindow:
+        """A write window for positions ``[start, start + num_tokens)`` (``start`` None: at ``length``).
 
         ``start`` may lie before ``length`` (rewriting positions: a deferred token's remaining layers, a
         speculative verify) but not after it (no holes).
@@ -53,6 +53,7 @@ class KVCache:
             ContextLengthError: the tokens do not fit in ``max_len``.
             InvalidArgumentError: ``start`` is negative or after the committed length.
         """
+        start = self.length if start is None else start
         if not 0 <= start <= self.length:
             raise InvalidArgumentError(f"cannot write at position {start}: the cache holds {self.length} positions "
                                        "(a forward starts at or before the end of the cache)")
@@ -97,6 +98,7 @@ class CacheWindow:
     def __init__(self, cache: KVCache, start: int, end: int):
         self.cache, self.start, self.end = cache, start, end
         self.k, self.v = cache.k, cache.v
+        self.positions = torch.arange(start, end)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write ``key_states``/``value_states`` ``[B, n_kv, T, hd]`` at ``[start, end)`` of layer

@@ -34,15 +34,16 @@ class Emitted:
 def start(engine, mode, request: Request) -> list[Emitted]:
     """Give ``request`` its mode state and run its prompt; returns the first token(s)."""
     request.state = mode.new_state(engine, request)
-    return _take(request, mode.prefill(engine, request))
+    return record(request, mode.prefill(engine, request))
 
 
 def advance(engine, mode, request: Request) -> list[Emitted]:
     """One step of ``request`` (it must have been started and have ``remaining > 0``)."""
-    return _take(request, mode.step(engine, request))
+    return record(request, mode.step(engine, request))
 
 
-def _take(request: Request, emitted: list[Emitted]) -> list[Emitted]:
+def record(request: Request, emitted: list[Emitted]) -> list[Emitted]:
+    """Append ``emitted`` (cut to ``request.remaining``) to the request's tokens; returns what was kept."""
     emitted = emitted[:max(request.remaining, 0)]
     for e in emitted:
         request.output_ids.append(int(e.token_id))

@@ -47,7 +47,12 @@ class DecodingMode(Protocol):
         """The per-request state this mode keeps in ``request.state`` (or ``None``)."""
 
     def prefill(self, engine, request) -> list:
-        """Run the prompt into ``request.cache``; return the first generated token(s)."""
+        """Run the prompt into ``request.cache`` (from position ``request.prefilled``: the positions before it
+        are already there); return the first generated token(s).
+
+        A mode whose prefill runs every layer on every prompt token sets ``prefill_key = "full"``: the scheduler
+        may then prefill its prompts in full-depth chunks and share prompt pages between requests
+        (:mod:`laserlm.runtime.kv_pool`). Without it the scheduler runs the whole prompt through ``prefill``."""
 
     def step(self, engine, request) -> list:
         """Feed ``request.last_token``; return the next token(s) (at most ``request.remaining``)."""
@@ -60,12 +65,14 @@ class FullDepth:
     """The unmodified model: every token runs every decoder layer."""
 
     name = "full"
+    prefill_key = "full"  # the prompt's K/V depend only on its tokens: prefix pages may be shared
 
     def new_state(self, engine, request):
         return None
 
     def prefill(self, engine, request):
-        out = engine.prefill(request.prompt_ids.unsqueeze(0), cache=request.cache)
+        p = request.prefilled
+        out = engine.prefill(request.prompt_ids[p:].unsqueeze(0), cache=request.cache, start=p)
         return [Emitted(request.sample(out.logits[0, -1]), engine.num_layers)]
 
     def step(self, engine, request):

@@ -24,6 +24,7 @@ from ..models import kernels
 from ..models.quant import KERNEL_MAX_ROWS, QuantLinear
 from . import attention as attn
 from . import fast_layers
+from .kv_cache import CacheWindow
 
 _EMPTY = torch.empty(0)
 _ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}
@@ -112,8 +113,10 @@ def _native_args(layer):
 
 
 def _native_layer(layer, hidden, cos, sin, cache):
-    """Run the whole layer in one compiled call when nothing needs laserlm's attention hook; else ``None``."""
-    if cache is None or hidden.dtype != torch.float32 or hidden.shape[1] > KERNEL_MAX_ROWS:
+    """Run the whole layer in one compiled call when nothing needs laserlm's attention hook; else ``None``.
+    The kernel reads a contiguous cache, so a paged window (:mod:`laserlm.runtime.kv_pool`) takes the
+    PyTorch ops below."""
+    if not isinstance(cache, CacheWindow) or hidden.dtype != torch.float32 or hidden.shape[1] > KERNEL_MAX_ROWS:
         return None
     ops = kernels.ops()
     ctx = attn.current_context()

@@ -33,6 +33,8 @@ class Request:
         state: the decoding mode's per-request state (``mode.new_state``).
         infos: the per-token ``info`` dicts the mode reported (for its ``summary``).
         request_id: a process-unique id.
+        prefilled: prompt positions already in ``cache`` before the mode's ``prefill`` runs (a shared prefix,
+            earlier prefill chunks; :mod:`laserlm.runtime.scheduler`); the mode computes the rest.
     """
 
     prompt_ids: torch.Tensor
@@ -44,6 +46,7 @@ class Request:
     state: object = None
     infos: list[dict] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    prefilled: int = 0
 
     @property
     def last_token(self) -> int:

@@ -1,0 +1,370 @@
+"""Continuous batching over the paged KV pool: ``submit`` / ``step`` / ``cancel`` (vLLM's scheduler + engine step).
+
+Source: Orca (Yu et al., OSDI 2022: iteration-level scheduling, requests join and leave the running batch at
+every step) and vLLM (Kwon et al., SOSP 2023: paged KV, admission by free blocks, chunked prefill).
+
+Each :meth:`Scheduler.step`
+
+1. **admits** waiting requests in arrival order while fewer than ``max_batch`` run and the pool can *reserve*
+   every page the request may ever hold (prompt + ``max_tokens`` positions, or the eviction policy's cap, for
+   every layer). Reserving up front means an admitted request never runs out of pages, so nothing admitted is
+   lost; a request that does not fit waits in a queue of at most ``max_queue`` requests. Past that bound, or
+   when a request could never fit the budget, :meth:`submit` raises :class:`~laserlm.errors.PoolFullError`
+   naming the budget. On admission the request takes any cached prefix pages (:mod:`laserlm.runtime.kv_pool`);
+2. **prefills** at most ``prefill_chunk`` prompt tokens of the oldest request still in its prompt, at full depth
+   (a long prompt is spread over several steps, so running decodes are not stalled). Its last chunk goes
+   through the request's mode (``mode.prefill``), which gives the first token. Modes whose prefill is not full
+   depth (``prefill_key`` unset: static pruning) run their whole prompt in one step, through the mode;
+3. **decodes** one step of every request past its prompt: requests whose mode can be batched (full depth, with
+   dense attention) run as **one** batched forward, each row at its own position, with its own sampling
+   parameters and RNG; the others (adaptive depth, speculative, pruning, sparse attention) take their mode's own
+   step one request after another in the same iteration. Per-row exits inside one batched forward save no
+   wall-clock time on a memory-bound CPU (every layer still streams its weights for the rows that continue),
+   so adaptive requests keep their exact single-request behaviour instead;
+4. **finishes** requests on EOS (unless ``ignore_eos``), ``max_tokens`` or their ``stop_check``, and frees their
+   pages at once (prompt pages stay in the prefix cache when registered).
+
+Every request's tokens are the tokens it gives when run alone (same mode, same seed), up to float rounding of
+batched matmuls (tested on the real model).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..errors import ContextLengthError, InvalidArgumentError, PoolFullError
+from .eviction import parse_eviction
+from .generate import TokenEvent
+from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedBatch, PagedCache
+from .loop import Emitted, advance, record, start
+from .modes import FullDepth
+from .request import Request
+from .sampling import SamplingParams, make_generator
+
+
+@dataclass
+class BatchConfig:
+    """Scheduler settings.
+
+    Attributes:
+        kv_budget: pool size: MiB (``512``, ``"512MiB"``, ``"2GiB"``) or tokens (``"8192t"``); default 512 MiB.
+        page_size: positions per page (default 16).
+        max_batch: requests running at once (default 16).
+        max_queue: requests waiting at most (default 256); more raise :class:`~laserlm.errors.PoolFullError`.
+        prefill_chunk: prompt tokens prefilled per step (default 256).
+        eviction: ``None`` / ``"streaming:..."`` / ``"depth_lru:..."`` (:mod:`laserlm.runtime.eviction`).
+        prefix_cache: share full prompt pages between requests (default True).
+        compact_every: finished requests between fragmentation checks (the seed's every-N rule; default 100).
+        compact_threshold: external fragmentation above which the check compacts the pool (default 0.25).
+    """
+
+    kv_budget: object = None
+    page_size: int = DEFAULT_PAGE_SIZE
+    max_batch: int = 16
+    max_queue: int = 256
+    prefill_chunk: int = 256
+    eviction: object = None
+    prefix_cache: bool = True
+    compact_every: int = 100
+    compact_threshold: float = 0.25
+
+    def validate(self) -> BatchConfig:
+        for name in ("page_size", "max_batch", "max_queue", "prefill_chunk", "compact_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
+        if not 0.0 <= float(self.compact_threshold) <= 1.0:
+            raise InvalidArgumentError(f"compact_threshold must be in [0, 1], got {self.compact_threshold!r}")
+        return self
+
+
+@dataclass(eq=False)  # compared by identity
+class Sequence:
+    """A request under the scheduler.
+
+    Attributes:
+        request: the :class:`~laserlm.runtime.request.Request` (tokens, cache, sampling, mode state).
+        mode: its decoding mode.
+        status: ``waiting`` | ``prefill`` | ``decode`` | ``finished``.
+        events: the :class:`~laserlm.runtime.generate.TokenEvent` s so far (``seconds``: since the request's
+            previous token; the first: since ``submit``, i.e. TTFT including the wait in the queue).
+        finish_reason: ``eos`` | ``length`` | ``stop`` | ``cancelled`` (``None`` while running).
+    """
+
+    request: Request
+    mode: object
+    eos_ids: frozenset
+    stop_check: Callable | None
+    reserved: int
+    status: str = "waiting"
+    events: list[TokenEvent] = field(default_factory=list)
+    finish_reason: str | None = None
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_last: float = 0.0
+    t_finish: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: its new tokens, and whether it finished."""
+
+    request_id: str
+    events: list[TokenEvent]
+    finished: bool
+    finish_reason: str | None
+
+
+class Scheduler:
+    """Continuous batching on one engine (see the module docstring).
+
+    Args:
+        engine: the :class:`~laserlm.runtime.engine.Engine`.
+        config: :class:`BatchConfig`.
+        eos_ids: tokens that end a request (unless its ``params.ignore_eos``).
+
+    Raises:
+        InvalidArgumentError: bad settings; eviction together with a block-sparse attention kernel.
+    """
+
+    def __init__(self, engine, config: BatchConfig | None = None, eos_ids=()):
+        self.engine = engine
+        self.config = (config or BatchConfig()).validate()
+        self.pool = KVPool.for_engine(engine, self.config.kv_budget, self.config.page_size)
+        self.eviction = parse_eviction(self.config.eviction)
+        if self.eviction is not None and engine.kernel is not None:
+            raise InvalidArgumentError("KV eviction does not combine with block-sparse attention (use dense)")
+        self.eos_ids = frozenset(int(i) for i in eos_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}
+        self.finished_count = 0
+        self.stats = {"steps": 0, "batched_rows": 0, "batched_forwards": 0, "single_steps": 0,
+                      "prefill_chunks": 0, "prefix_hit_tokens": 0}
+
+    # -- submission ------------------------------------------------------------------------------
+    def reservation(self, positions: int) -> int:
+        """Pages a request of ``positions`` positions may hold (its admission reservation)."""
+        pages = self.pool.pages_for(positions)
+        if self.eviction is not None:
+            pages = min(pages, self.eviction.max_pages_per_request(self.pool.num_layers, self.pool.page_size))
+        return pages
+
+    def submit(self, prompt_ids: torch.Tensor, params: SamplingParams | None = None, mode=None,
+               max_tokens: int | None = None, request_id: str | None = None,
+               stop_check: Callable | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Args:
+            prompt_ids: ``[T]`` int64 prompt tokens.
+            params: sampling parameters (validated here; default greedy, 64 tokens).
+            mode: a decoding mode object (default full depth).
+            max_tokens: tokens to generate at most (default ``min(params.max_new_tokens, context - T)``).
+            stop_check: ``fn(request) -> bool`` called after every step (e.g. stop strings); True finishes it.
+
+        Raises:
+            ContextLengthError: the prompt fills the context.
+            InvalidArgumentError: an empty prompt, bad sampling values, a duplicate id.
+            PoolFullError: the request could never fit the budget, or the waiting queue is full.
+        """
+        params = (params or SamplingParams()).validate()
+        ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise InvalidArgumentError("empty prompt: at least one token is required")
+        room = self.engine.max_seq_len - ids.numel()
+        if room <= 0:
+            raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is "
+                                     f"{self.engine.max_seq_len}")
+        max_tokens = min(params.max_new_tokens, room) if max_tokens is None else min(int(max_tokens), room)
+        need = self.reservation(ids.numel() + max_tokens)
+        if need > self.pool.num_pages:
+            raise PoolFullError(
+                f"request needs up to {need} KV pages ({ids.numel()} prompt + {max_tokens} new positions x "
+                f"{self.pool.num_layers} layers) but the KV budget is {self.pool.describe()}: raise --kv-budget, "
+                "lower max_tokens, or enable eviction (--eviction streaming)")
+        if len(self.waiting) >= self.config.max_queue:
+            raise PoolFullError(
+                f"KV pool full: {len(self.running)} running requests hold {self.pool.reserved} of "
+                f"{self.pool.num_pages} pages (budget {self.pool.describe()}) and the waiting queue holds its "
+                f"maximum of {self.config.max_queue} requests; retry later or raise --kv-budget")
+        if request_id is not None and request_id in self.sequences:
+            raise InvalidArgumentError(f"request id {request_id!r} is already in use")
+        gen = None if params.greedy else make_generator(params.seed)
+        req = Request(ids, params, max_tokens, cache=None, generator=gen)
+        if request_id is not None:
+            req.request_id = request_id
+        seq = Sequence(req, mode if mode is not None else FullDepth(), frozenset() if params.ignore_eos
+                       else self.eos_ids, stop_check, need)
+        self.sequences[req.request_id] = seq
+        if max_tokens <= 0:
+            self._finish(seq, "length")
+        else:
+            self.waiting.append(seq)
+        return req.request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now and free its pages; False when it is unknown or already finished."""
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status == "finished":
+            return False
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, "cancelled")
+        return True
+
+    def get(self, request_id: str) -> Sequence:
+        return self.sequences[request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step --------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        pool = self.pool
+        while self.waiting and len(self.running) < self.config.max_batch:
+            seq = self.waiting[0]
+            if pool.reserved + seq.reserved > pool.num_pages:
+                return
+            self.waiting.popleft()
+            pool.reserved += seq.reserved
+            req = seq.request
+            req.cache = PagedCache(pool, req.prompt_ids.numel() + req.max_tokens, self.eviction)
+            key = getattr(seq.mode, "prefill_key", None)
+            if self.config.prefix_cache and key is not None:
+                req.prefilled = req.cache.attach_prefix(req.prompt_ids.tolist(), key)
+                self.stats["prefix_hit_tokens"] += req.prefilled
+            seq.status = "prefill"
+            self.running.append(seq)
+
+    def _prefill(self, seq: Sequence) -> None:
+        """One prefill chunk of ``seq`` (its last one through the mode, which emits the first token)."""
+        eng, req = self.engine, seq.request
+        chunk = self.config.prefill_chunk
+        key = getattr(seq.mode, "prefill_key", None)
+        left = req.prompt_ids.numel() - req.prefilled
+        if key is not None and left > chunk:
+            p = req.prefilled
+            with torch.inference_mode():
+                h, st = eng.begin(req.prompt_ids[p:p + chunk].unsqueeze(0), start=p, cache=req.cache)
+                eng.run_layers(0, eng.num_layers, h, st)
+                eng.commit(st)
+            req.prefilled = p + chunk
+            self.stats["prefill_chunks"] += 1
+            return
+        with torch.inference_mode():
+            emitted = start(eng, seq.mode, req)
+        req.prefilled = req.prompt_ids.numel()
+        self.stats["prefill_chunks"] += 1
+        if self.config.prefix_cache and key is not None:
+            req.cache.register_prefix(req.prompt_ids.tolist(), key)
+        seq.status = "decode"
+        self._emit(seq, emitted)
+
+    def _batchable(self, seq: Sequence) -> bool:
+        return type(seq.mode) is FullDepth and self.engine.kernel is None
+
+    def _decode_batch(self, rows: list[Sequence]) -> None:
+        eng = self.engine
+        with torch.inference_mode():
+            ids = torch.tensor([[s.request.last_token] for s in rows], dtype=torch.long)
+            h, st = eng.begin(ids, cache=PagedBatch([s.request.cache for s in rows]))
+            h = eng.run_layers(0, eng.num_layers, h, st)
+            eng.commit(st)
+            logits = eng.head(h)[:, -1]  # [B, V]
+        self.stats["batched_forwards"] += 1
+        self.stats["batched_rows"] += len(rows)
+        for i, s in enumerate(rows):
+            self._emit(s, record(s.request, [Emitted(s.request.sample(logits[i]), eng.num_layers)]))
+
+    def step(self) -> list[StepOutput]:
+        """Admit, prefill one chunk, decode one token of every running request, finish; returns what each
+        touched request produced (see the module docstring)."""
+        self.stats["steps"] += 1
+        self._admit()
+        before = {s.request_id: len(s.events) for s in self.running}
+        decoding = [s for s in self.running if s.status == "decode"]
+        prefilling = next((s for s in self.running if s.status == "prefill"), None)
+        if prefilling is not None:
+            self._prefill(prefilling)
+        batch = [s for s in decoding if self._batchable(s)]
+        if len(batch) > 1:
+            self._decode_batch(batch)
+        single = [s for s in decoding if s not in batch or len(batch) == 1]
+        for s in single:
+            with torch.inference_mode():
+                emitted = advance(self.engine, s.mode, s.request)
+            self.stats["single_steps"] += 1
+            self._emit(s, emitted)
+        outputs = []
+        for s in list(self.running):
+            new = s.events[before.get(s.request_id, 0):]
+            if s.status != "finished":
+                reason = self._stop_reason(s)
+                if reason is not None:
+                    self._finish(s, reason)
+            if new or s.status == "finished":
+                outputs.append(StepOutput(s.request_id, new, s.status == "finished", s.finish_reason))
+        return outputs
+
+    def run(self, on_output: Callable | None = None) -> None:
+        """Step until every submitted request has finished (``on_output(StepOutput)`` after each step)."""
+        while self.has_unfinished:
+            for out in self.step():
+                if on_output is not None:
+                    on_output(out)
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+    def _emit(self, seq: Sequence, emitted: list[Emitted]) -> None:
+        now = time.perf_counter()
+        prev = seq.t_last if seq.events else seq.t_submit
+        for i, e in enumerate(emitted):
+            seq.events.append(TokenEvent(int(e.token_id), e.layers, (now - prev) if i == 0 else 0.0, e.info))
+            if int(e.token_id) in seq.eos_ids:
+                seq.finish_reason = "eos"
+                break
+        seq.t_last = now
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        if seq.finish_reason == "eos":
+            return "eos"
+        if seq.status == "decode" and seq.request.remaining <= 0:
+            return "length"
+        if seq.stop_check is not None and seq.events and seq.stop_check(seq.request):
+            return "stop"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason, seq.t_finish = "finished", reason, time.perf_counter()
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.reserved -= seq.reserved
+        cache = seq.request.cache
+        if cache is not None:
+            cache.free()
+        self.finished_count += 1
+        if self.finished_count % self.config.compact_every == 0:
+            self.maybe_compact()
+
+    def maybe_compact(self) -> int:
+        """Compact the pool when its external fragmentation exceeds ``compact_threshold``; returns pages moved.
+        Safe between steps only (the scheduler calls it when a request finishes, after its step)."""
+        if self.pool.fragmentation()["external"] > self.config.compact_threshold:
+            return self.pool.compact()
+        return 0
+
+    def summary(self) -> dict:
+        """Pool and scheduler counters (pages, reservations, prefix hits, evictions, fragmentation)."""
+        p = self.pool
+        return {"pages_total": p.num_pages, "pages_used": p.used_pages, "pages_cached": p.cached_pages,
+                "pages_reserved": p.reserved, "page_size": p.page_size, "running": len(self.running),
+                "waiting": len(self.waiting), "finished": self.finished_count, **self.stats, **p.stats,
+                "fragmentation": p.fragmentation()}
