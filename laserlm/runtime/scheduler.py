@@ -11,10 +11,11 @@ Each :meth:`Scheduler.step`
    lost; a request that does not fit waits in a queue of at most ``max_queue`` requests. Past that bound, or
    when a request could never fit the budget, :meth:`submit` raises :class:`~laserlm.errors.PoolFullError`
    naming the budget. On admission the request takes any cached prefix pages (:mod:`laserlm.runtime.kv_pool`);
-2. **prefills** at most ``prefill_chunk`` prompt tokens of the oldest request still in its prompt, at full depth
-   (a long prompt is spread over several steps, so running decodes are not stalled). Its last chunk goes
-   through the request's mode (``mode.prefill``), which gives the first token. Modes whose prefill is not full
-   depth (``prefill_key`` unset: static pruning) run their whole prompt in one step, through the mode;
+2. **prefills** at most ``prefill_chunk`` prompt tokens per step, oldest prompts first, at full depth (a long
+   prompt is spread over several steps, so running decodes are not stalled; several short prompts share one
+   step). A prompt's last part goes through the request's mode (``mode.prefill``), which gives the first
+   token. Modes whose prefill is not full depth (``prefill_key`` unset: static pruning) run their whole prompt
+   in one step, through the mode;
 3. **decodes** one step of every request past its prompt: requests whose mode can be batched (full depth, with
    dense attention) run as **one** batched forward, each row at its own position, with its own sampling
    parameters and RNG; the others (adaptive depth, speculative, pruning, sparse attention) take their mode's own
@@ -56,7 +57,7 @@ class BatchConfig:
         page_size: positions per page (default 16).
         max_batch: requests running at once (default 16).
         max_queue: requests waiting at most (default 256); more raise :class:`~laserlm.errors.PoolFullError`.
-        prefill_chunk: prompt tokens prefilled per step (default 256).
+        prefill_chunk: prompt tokens prefilled per step, over all prompts (default 256).
         eviction: ``None`` / ``"streaming:..."`` / ``"depth_lru:..."`` (:mod:`laserlm.runtime.eviction`).
         prefix_cache: share full prompt pages between requests (default True).
         compact_every: finished requests between fragmentation checks (the seed's every-N rule; default 100).
@@ -245,21 +246,21 @@ class Scheduler:
             seq.status = "prefill"
             self.running.append(seq)
 
-    def _prefill(self, seq: Sequence) -> None:
-        """One prefill chunk of ``seq`` (its last one through the mode, which emits the first token)."""
+    def _prefill(self, seq: Sequence, budget: int) -> int:
+        """Prefill up to ``budget`` prompt tokens of ``seq`` (its last part through the mode, which emits the
+        first token); returns the tokens used."""
         eng, req = self.engine, seq.request
-        chunk = self.config.prefill_chunk
         key = getattr(seq.mode, "prefill_key", None)
         left = req.prompt_ids.numel() - req.prefilled
-        if key is not None and left > chunk:
+        if key is not None and left > budget:
             p = req.prefilled
             with torch.inference_mode():
-                h, st = eng.begin(req.prompt_ids[p:p + chunk].unsqueeze(0), start=p, cache=req.cache)
+                h, st = eng.begin(req.prompt_ids[p:p + budget].unsqueeze(0), start=p, cache=req.cache)
                 eng.run_layers(0, eng.num_layers, h, st)
                 eng.commit(st)
-            req.prefilled = p + chunk
+            req.prefilled = p + budget
             self.stats["prefill_chunks"] += 1
-            return
+            return budget
         with torch.inference_mode():
             emitted = start(eng, seq.mode, req)
         req.prefilled = req.prompt_ids.numel()
@@ -268,6 +269,7 @@ class Scheduler:
             req.cache.register_prefix(req.prompt_ids.tolist(), key)
         seq.status = "decode"
         self._emit(seq, emitted)
+        return left
 
     def _batchable(self, seq: Sequence) -> bool:
         return type(seq.mode) is FullDepth and self.engine.kernel is None
@@ -292,9 +294,14 @@ class Scheduler:
         self._admit()
         before = {s.request_id: len(s.events) for s in self.running}
         decoding = [s for s in self.running if s.status == "decode"]
-        prefilling = next((s for s in self.running if s.status == "prefill"), None)
-        if prefilling is not None:
-            self._prefill(prefilling)
+        budget = self.config.prefill_chunk  # prompt tokens this step, shared by the oldest prompts first
+        for s in [s for s in self.running if s.status == "prefill"]:
+            if budget <= 0:
+                break
+            left = s.request.prompt_ids.numel() - s.request.prefilled
+            if getattr(s.mode, "prefill_key", None) is None and left > budget and budget < self.config.prefill_chunk:
+                break  # a prompt that cannot be chunked waits for a step of its own
+            budget -= self._prefill(s, budget)
         batch = [s for s in decoding if self._batchable(s)]
         if len(batch) > 1:
             self._decode_batch(batch)
