@@ -1,6 +1,6 @@
 """The ``laserlm`` command.
 
-``generate`` and ``models`` live here; ``eval`` / ``bench`` / ``calibrate`` in their packages, each adding
+``generate``, ``batch`` and ``models`` live here; ``eval`` / ``bench`` / ``calibrate`` in their packages, each adding
 itself through ``add_parser(subparsers)`` (called by :func:`build_parser`). Helpers they share (model
 arguments, loading, output-path checks) are in :mod:`laserlm.cli_common`. Every user error is a
 :class:`~laserlm.errors.LaserLMError`: printed as one ``laserlm: error: ...`` line, exit status 2.
@@ -62,6 +62,13 @@ def _add_generate(sub) -> None:
                    help="calibration artifact from `laserlm calibrate`: runs the adaptive mode with its trained exit "
                         "heads, gates and calibrated threshold (adds laser=PATH to an adaptive or speculative --mode)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    _add_sampling_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object with the text and stats instead of streaming")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_sampling_args(p) -> None:
     p.add_argument("--max-tokens", "-n", type=int, default=128, dest="max_new_tokens",
                    help="maximum new tokens (default: %(default)s)")
     p.add_argument("--temperature", "--temp", type=float, default=0.0,
@@ -71,9 +78,111 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", "-s", type=int, default=None, help="sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating after end-of-sequence")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object with the text and stats instead of streaming")
-    p.set_defaults(func=cmd_generate)
+
+
+def _sampling_from_args(args) -> dict:
+    from .runtime.sampling import SamplingParams  # noqa: PLC0415
+
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    SamplingParams(**sampling).validate()  # fail before the model loads
+    return sampling
+
+
+# -- batch --------------------------------------------------------------------------------------
+def _add_batch(sub) -> None:
+    p = sub.add_parser(
+        "batch", help="generate for many prompts with continuous batching (offline)",
+        description="Generate a continuation for every prompt of INPUT with continuous batching over a paged KV "
+                    "pool, and write one JSON line per prompt (in input order). INPUT: a text file with one prompt "
+                    "per line, or a .jsonl file of {\"prompt\": TEXT} or {\"messages\": [...]} objects; '-' reads "
+                    "standard input.")
+    p.add_argument("input", help="prompt file (.txt: one per line; .jsonl: prompt / messages objects) or '-'")
+    p.add_argument("--output", "-o", default="-", help="JSON-lines output file ('-': standard output, the default)")
+    add_model_args(p)
+    add_mode_args(p)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to every prompt")
+    _add_sampling_args(p)
+    p.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="KV pool size: MiB (512, 512MiB, 2GiB) or tokens (8192t) (default: 512MiB)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests running at once (default: %(default)s)")
+    p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default: %(default)s)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step (default: %(default)s)")
+    p.add_argument("--eviction", default=None, metavar="POLICY",
+                   help="none, streaming[:sinks=4,window=256] or depth_lru[:budget=512,sinks=4,recent=64]")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt pages between requests")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_batch)
+
+
+def _read_prompts(path: str) -> list:
+    if path == "-":
+        text = sys.stdin.read()
+        name = "standard input"
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise LaserLMError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+        name = path
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        raise LaserLMError(f"no prompts in {name}")
+    if not path.endswith(".jsonl"):
+        return lines
+    prompts = []
+    for i, ln in enumerate(lines, 1):
+        try:
+            obj = json.loads(ln)
+        except json.JSONDecodeError as exc:
+            raise LaserLMError(f"{name} line {i}: not JSON ({exc.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        elif isinstance(obj, dict) and isinstance(obj.get("messages"), list):
+            prompts.append(obj["messages"])
+        else:
+            raise LaserLMError(f'{name} line {i}: expected {{"prompt": TEXT}} or {{"messages": [...]}}')
+    return prompts
+
+
+def cmd_batch(args) -> int:
+    sampling = _sampling_from_args(args)
+    prompts = _read_prompts(args.input)
+    from .cli_common import check_output_path  # noqa: PLC0415
+
+    if args.output != "-":
+        check_output_path(args.output, "--output")
+    check_chat_template(args)
+    from .defaults import check_before_load  # noqa: PLC0415
+
+    check_before_load(args.model, [args.mode])
+    options = {"max_batch": args.max_batch, "page_size": args.page_size, "prefill_chunk": args.prefill_chunk,
+               "eviction": args.eviction, "prefix_cache": not args.no_prefix_cache}
+    from .runtime.scheduler import BatchConfig  # noqa: PLC0415
+
+    BatchConfig(kv_budget=args.kv_budget, **options).validate()  # fail before the model loads
+    lm = load_from_args(args)
+    import time  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    results = lm.generate_batch(prompts, chat=args.chat, mode=args.mode, kv_budget=args.kv_budget,
+                                batch_options=options, progress=not args.no_progress, **sampling)
+    seconds = time.perf_counter() - t0
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
+    try:
+        for i, r in enumerate(results):
+            out.write(json.dumps({"index": i, "text": r.text, **r.stats()}) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    n = sum(r.generated_tokens for r in results)
+    s = lm.last_batch_summary
+    print(f"[{len(results)} requests, {n} tokens in {seconds:.1f} s: {n / seconds:.1f} tok/s, "
+          f"{60 * len(results) / seconds:.1f} requests/min; prefix hits {s['prefix_hit_tokens']} tokens, "
+          f"{s['evicted_pages']} pages evicted]", file=sys.stderr)
+    return 0
 
 
 def cmd_generate(args) -> int:
@@ -82,11 +191,7 @@ def cmd_generate(args) -> int:
         if sys.stdin is None or sys.stdin.isatty():
             raise LaserLMError("no prompt given (pass it as an argument or on standard input)")
         prompt = sys.stdin.read()
-    from .runtime.sampling import SamplingParams  # noqa: PLC0415
-
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    SamplingParams(**sampling).validate()  # fail before the model loads
+    sampling = _sampling_from_args(args)
     if getattr(args, "laser", None) is not None:
         args.mode = laser_mode_spec(args.mode, args.laser)
     if not prompt.strip():
@@ -152,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"laserlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_generate(sub)
+    _add_batch(sub)
     _add_models(sub)
     from .bench import cli as bench_cli  # noqa: PLC0415  (the tools' subcommands; they never import this module)
     from .evaluation import cli as eval_cli  # noqa: PLC0415

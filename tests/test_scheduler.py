@@ -39,13 +39,16 @@ def run_all(sched: Scheduler) -> None:
 
 
 def test_mixed_batch_equals_each_request_alone(smol):
-    """Six prompts of different lengths, at most 3 running (so three are admitted mid-batch), prompts prefilled in
-    chunks of 8 tokens; full depth greedy, full depth sampled (own seeds), and an adaptive-depth request."""
+    """Seven requests of different lengths, at most 3 running (so four are admitted mid-batch), prompts prefilled
+    8 tokens per step; full depth greedy, full depth sampled (own seeds), an adaptive-depth and a speculative
+    request (their own steps, on paged caches)."""
     eng, tok = smol.engine, smol.tokenizer
-    ids = [torch.tensor(tok(p)["input_ids"]) for p in PROMPTS]
+    ids = [torch.tensor(tok(p)["input_ids"]) for p in PROMPTS + ["The weather today is sunny and"]]
     full = FullDepth()
     adaptive = make_mode("adaptive:policy=confidence,threshold=0.9,patience=1", eng)
-    plan = [(full, SamplingParams(max_new_tokens=12, ignore_eos=True)),
+    speculative = make_mode("speculative:draft_layers=12,k=3", eng)
+    plan = [(speculative, SamplingParams(max_new_tokens=11, ignore_eos=True)),
+            (full, SamplingParams(max_new_tokens=12, ignore_eos=True)),
             (full, SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)),
             (adaptive, SamplingParams(max_new_tokens=10, ignore_eos=True)),
             (full, SamplingParams(max_new_tokens=14, ignore_eos=True)),
@@ -57,7 +60,7 @@ def test_mixed_batch_equals_each_request_alone(smol):
     run_all(sched)
     got = [[e.token_id for e in sched.get(r).events] for r in rids]
     assert got == expected
-    assert sched.stats["batched_forwards"] > 0 and sched.stats["prefill_chunks"] > len(PROMPTS)
+    assert sched.stats["batched_forwards"] > 0 and sched.stats["prefill_chunks"] > len(plan)
     assert all(sched.get(r).finish_reason == "length" for r in rids)
     sched.pool.check()
     assert sched.pool.used_pages == 0 and sched.pool.reserved == 0
@@ -190,3 +193,38 @@ def test_random_requests_leave_every_page_free():
         seen["finished"] += len(live)
     # the random plans exercised every path that moves pages
     assert all(v > 0 for k, v in seen.items() if k != "cow_copies"), seen
+
+
+# -- the `laserlm batch` command ---------------------------------------------------------------------------
+def test_cli_batch_writes_one_json_line_per_prompt(smol, tmp_path, capsys):
+    import json
+
+    from laserlm.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(prompts), "-n", "6", "-o", str(out), "--no-progress", "--max-batch", "2",
+                 "--kv-budget", "64MiB"]) == 0
+    lines = [json.loads(ln) for ln in out.read_text().splitlines()]
+    assert [ln["index"] for ln in lines] == [0, 1, 2]
+    assert [ln["text"] for ln in lines] == [smol.generate(p, max_new_tokens=6).text for p in PROMPTS[:3]]
+    assert all(ln["generated_tokens"] <= 6 and ln["finish_reason"] in ("length", "eos") for ln in lines)
+    assert "3 requests" in capsys.readouterr().err
+
+
+def test_cli_batch_errors(tmp_path, capsys):
+    from helpers import run_cli
+
+    assert "cannot read prompt file" in run_cli(capsys, ["batch", str(tmp_path / "missing.txt")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": 3}\n')
+    assert "bad.jsonl line 2: expected" in run_cli(capsys, ["batch", str(bad)])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert "no prompts in" in run_cli(capsys, ["batch", str(empty)])
+    good = tmp_path / "p.txt"
+    good.write_text("Hello\n")
+    assert "KV budget 'lots'" in run_cli(capsys, ["batch", str(good), "--kv-budget", "lots", "-n", "2"])
+    assert "max_batch must be a positive integer" in run_cli(capsys, ["batch", str(good), "--max-batch", "0"])
+    assert "temperature" in run_cli(capsys, ["batch", str(good), "--temperature", "-1"])

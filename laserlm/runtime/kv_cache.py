@@ -19,7 +19,40 @@ import torch
 from ..errors import ContextLengthError, InvalidArgumentError
 
 
-class KVCache:
+class CachePositions:
+    """What every KV cache shares: ``length`` committed positions out of ``max_len``, the write check, and rolling
+    back (:class:`KVCache`; :class:`~laserlm.runtime.kv_pool.PagedCache`)."""
+
+    length: int
+    max_len: int
+
+    def check_write(self, start: int | None, num_tokens: int) -> int:
+        """``start`` (None: ``length``) after checking that ``[start, start + num_tokens)`` may be written.
+
+        Raises:
+            ContextLengthError: the tokens do not fit in ``max_len``.
+            InvalidArgumentError: ``start`` is negative or after the committed length.
+        """
+        start = self.length if start is None else start
+        if not 0 <= start <= self.length:
+            raise InvalidArgumentError(f"cannot write at position {start}: the cache holds {self.length} positions "
+                                       "(a forward starts at or before the end of the cache)")
+        if start + num_tokens > self.max_len:
+            raise ContextLengthError(
+                f"context full: {start} cached + {num_tokens} new tokens > context size {self.max_len}")
+        return start
+
+    def crop(self, length: int) -> None:
+        """Forget every position at or after ``length`` (roll back rejected tokens)."""
+        if not 0 <= length <= self.length:
+            raise InvalidArgumentError(f"cannot crop a cache of length {self.length} to {length}")
+        self.length = length
+
+    def reset(self) -> None:
+        self.crop(0)
+
+
+class KVCache(CachePositions):
     """Static KV cache for ``num_layers`` layers.
 
     Args:
@@ -53,28 +86,12 @@ class KVCache:
             ContextLengthError: the tokens do not fit in ``max_len``.
             InvalidArgumentError: ``start`` is negative or after the committed length.
         """
-        start = self.length if start is None else start
-        if not 0 <= start <= self.length:
-            raise InvalidArgumentError(f"cannot write at position {start}: the cache holds {self.length} positions "
-                                       "(a forward starts at or before the end of the cache)")
-        end = start + num_tokens
-        if end > self.max_len:
-            raise ContextLengthError(
-                f"context full: {start} cached + {num_tokens} new tokens > context size {self.max_len}")
-        return CacheWindow(self, start, end)
+        start = self.check_write(start, num_tokens)
+        return CacheWindow(self, start, start + num_tokens)
 
     def commit(self, window: CacheWindow) -> None:
         """Make the window's positions part of the cache (``length`` never moves back here)."""
         self.length = max(self.length, window.end)
-
-    def crop(self, length: int) -> None:
-        """Forget every position at or after ``length`` (roll back rejected tokens)."""
-        if not 0 <= length <= self.length:
-            raise InvalidArgumentError(f"cannot crop a cache of length {self.length} to {length}")
-        self.length = length
-
-    def reset(self) -> None:
-        self.crop(0)
 
     def write(self, layer_idx: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write K/V ``[B, n_kv, T, hd]`` of layer ``layer_idx`` at ``[start, start+T)`` (bridges use this)."""

@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ContextLengthError, InvalidArgumentError, PoolFullError
+from ..errors import InvalidArgumentError, PoolFullError
+from .kv_cache import CachePositions
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_BUDGET = "512MiB"
@@ -66,6 +67,20 @@ class Budget:
     text: str
 
 
+def budget_amount(budget) -> tuple[str, float, str]:
+    """``(text, value, unit)`` of a budget (unit ``mib``/``gib``/... or ``t...`` for tokens), checking its syntax.
+
+    Raises:
+        InvalidArgumentError: unparsable or non-positive.
+    """
+    text = str(DEFAULT_BUDGET if budget is None else budget).strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(mib|mb|m|gib|gb|g|t|tok|tokens?)?", text.lower())
+    if not m or float(m.group(1)) <= 0:
+        raise InvalidArgumentError(f"KV budget {text!r}: expected MiB (e.g. 512 or 512MiB, 2GiB) or tokens "
+                                   "(e.g. 8192t)")
+    return text, float(m.group(1)), m.group(2) or "mib"
+
+
 def parse_budget(budget, num_layers: int, page_bytes: int, page_size: int) -> Budget:
     """``"512MiB"``, ``"2GiB"``, ``512`` (MiB) or ``"8192t"`` / ``"8192 tokens"`` (positions of every layer)
     -> a :class:`Budget` in pages.
@@ -73,12 +88,7 @@ def parse_budget(budget, num_layers: int, page_bytes: int, page_size: int) -> Bu
     Raises:
         InvalidArgumentError: unparsable, non-positive, or smaller than one page per layer.
     """
-    text = str(DEFAULT_BUDGET if budget is None else budget).strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(mib|mb|m|gib|gb|g|t|tok|tokens?)?", text.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise InvalidArgumentError(f"KV budget {text!r}: expected MiB (e.g. 512 or 512MiB, 2GiB) or tokens "
-                                   "(e.g. 8192t)")
-    value, unit = float(m.group(1)), m.group(2) or "mib"
+    text, value, unit = budget_amount(budget)
     if unit.startswith("t"):
         pages = math.ceil(value / page_size) * num_layers
     else:
@@ -313,7 +323,7 @@ class KVPool:
             assert states == 1, f"page {p} is referenced/free/cached {states} times"
 
 
-class PagedCache:
+class PagedCache(CachePositions):
     """One request's view of the pool: a page table per layer; the :class:`~laserlm.runtime.kv_cache.KVCache`
     interface (``window``, ``commit``, ``crop``, ``reset``, ``write``, ``length``, ``max_len``), so every decoding
     mode runs on it unchanged.
@@ -435,14 +445,8 @@ class PagedCache:
             ContextLengthError: past ``max_len``.  InvalidArgumentError: a bad ``start``.
             PoolFullError: the pool has no page left (the scheduler's reservations prevent this).
         """
-        start = self.length if start is None else int(start)
-        if not 0 <= start <= self.length:
-            raise InvalidArgumentError(f"cannot write at position {start}: the cache holds {self.length} positions "
-                                       "(a forward starts at or before the end of the cache)")
+        start = self.check_write(None if start is None else int(start), num_tokens)
         end = start + num_tokens
-        if end > self.max_len:
-            raise ContextLengthError(
-                f"context full: {start} cached + {num_tokens} new tokens > this request's {self.max_len} positions")
         if self.freed:
             raise InvalidArgumentError("this request's KV pages were freed (finished or cancelled)")
         self._make_writable(start, end)
@@ -458,14 +462,6 @@ class PagedCache:
         self.length = max(self.length, int(window.ends[0]))
         if self.eviction is not None:
             self.eviction.apply(self)
-
-    def crop(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise InvalidArgumentError(f"cannot crop a cache of length {self.length} to {length}")
-        self.length = length
-
-    def reset(self) -> None:
-        self.crop(0)
 
     def write(self, layer_idx: int, start: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write K/V ``[1, n_kv, T, hd]`` of layer ``layer_idx`` at ``[start, start+T)`` (bridges)."""

@@ -41,7 +41,7 @@ import torch
 from ..errors import ContextLengthError, InvalidArgumentError, PoolFullError
 from .eviction import parse_eviction
 from .generate import TokenEvent
-from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedBatch, PagedCache
+from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedBatch, PagedCache, budget_amount
 from .loop import Emitted, advance, record, start
 from .modes import FullDepth
 from .request import Request
@@ -75,12 +75,19 @@ class BatchConfig:
     compact_threshold: float = 0.25
 
     def validate(self) -> BatchConfig:
+        """Check every setting that needs no model (the budget's syntax, the eviction spec); returns self.
+
+        Raises:
+            InvalidArgumentError: a bad value.
+        """
         for name in ("page_size", "max_batch", "max_queue", "prefill_chunk", "compact_every"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
         if not 0.0 <= float(self.compact_threshold) <= 1.0:
             raise InvalidArgumentError(f"compact_threshold must be in [0, 1], got {self.compact_threshold!r}")
+        budget_amount(self.kv_budget)  # syntax (the page count needs the model)
+        parse_eviction(self.eviction)
         return self
 
 
