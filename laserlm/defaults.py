@@ -33,7 +33,7 @@ are refused with the same two ways out.
 **speculative.** Lossless, so a bad default costs speed, not quality: the built-in defaults (draft with the
 first half of the layers, k=4, no confidence threshold) ran at 0.37x full depth on smollm2-135m. A spec names
 its draft rule when it has any of :data:`SPECULATIVE_RULE_OPTIONS` (``draft_layers``, ``k``, ``threshold``,
-``auto``, ``laser``). Otherwise (``speculative`` or ``speculative:reuse=...``):
+``auto``, ``laser``, ``draft``). Otherwise (``speculative`` or ``speculative:reuse=...``):
 
 - on a bundled model it becomes ``speculative:draft_layers=N,k=K,threshold=T``: the settings
   ``speculative:auto=1`` picks (:mod:`laserlm.speculative.calibration`: greedy traces on validation
@@ -62,7 +62,7 @@ from .errors import InvalidArgumentError
 
 ADAPTIVE_RULE_OPTIONS = ("laser", "policy", "threshold", "gate_threshold", "saturation_threshold", "ats_threshold")
 ADAPTIVE_PASS_THROUGH = ("bridge", "patience", "router", "score")
-SPECULATIVE_RULE_OPTIONS = ("draft_layers", "k", "threshold", "auto", "laser")
+SPECULATIVE_RULE_OPTIONS = ("draft_layers", "k", "threshold", "auto", "laser", "draft")
 SPECULATIVE_PASS_THROUGH = ("reuse",)
 DEFAULTS_DIR = "defaults"  # under the cache root (laserlm.models.loader.cache_root)
 ADAPTIVE_FILE = "adaptive.laser.safetensors"

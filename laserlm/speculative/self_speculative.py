@@ -45,12 +45,26 @@ to the default depth ``L // 2`` (the shallower one on a tie); a ``draft_layers``
 has no head is an error listing the file's exit layers (a head trained for another depth is not
 used: its adapter maps another layer's hidden states). ``draft_layers=auto`` is not supported with
 ``laser=`` (the file fixes the candidate depths); ``k`` and ``threshold`` may still be ``auto``.
+
+**Draft sources** (issue #15). ``draft=`` names the sources joined by ``+`` in priority order (default
+``layers``, the shallow path above): ``ngram`` (prompt lookup, Saxena 2023: the last ``n <= max_ngram``
+tokens matched in the request's prompt and generated text), ``suffix`` (a bounded n-gram cache over earlier
+requests of this mode object, after SuffixDecoding, Oliaro et al. 2024; ``suffix_tokens`` bounds it) and
+``layers``. Lookup drafts are verified from layer 0 (there is no draft computation to reuse) and, when
+sampling, accepted with the rule for deterministic drafts (``q = one-hot(d)``: accept with probability
+``p(d)``, else sample from ``p`` without ``d``; :mod:`laserlm.speculative.drafts`). With ``adaptive`` (the
+default when a lookup source is named) a per-step policy picks the source and the draft length that
+maximise the expected tokens per unit of cost from the request's recent acceptance, and drafts nothing
+(a plain full-depth step) when no draft is expected to pay; ``adaptive=0`` always drafts as much as the
+first available source gives (``k`` tokens from the shallow path, the whole continuation up to ``k`` from a
+lookup). Stats report cycles, drafted, accepted, emitted, tokens per verify and acceptance per source
+(``by_source``; source ``none`` = plain steps). Example: ``speculative:draft=ngram+layers,max_ngram=3,k=16``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable, Literal, Optional, Union
 
 import torch
@@ -60,12 +74,16 @@ from ..runtime.loop import Emitted
 from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
+from .drafts import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS, DEFAULT_VERIFY_COST, DraftPolicy,
+                     NgramIndex, SuffixCache, check_ngram, parse_draft, verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
 MAX_K = 64
 DEFAULT_K = 4
+DEFAULT_LOOKUP_K = 16  # default k when a lookup source (ngram, suffix) drafts: copied spans are long
 DEFAULT_THRESHOLD = 0.0
+LOOKUP = ("ngram", "suffix")
 
 
 @dataclass
@@ -73,14 +91,16 @@ class SpeculativeStats:
     """Counters of one speculative generation (all cycles after the prefill).
 
     Attributes:
-        cycles: draft-then-verify cycles (= full-depth verify forwards).
+        cycles: draft-then-verify cycles (= full-depth verify forwards, plain steps included).
         drafted: drafted tokens sent to verification.
         accepted: drafted tokens accepted.
         emitted: tokens emitted by the cycles (accepted + one correction/bonus per cycle).
         draft_steps: single-token forwards through the draft layers.
-        draft_s, verify_s: wall-clock seconds spent drafting (draft layers + exit head + sampling)
-            and verifying (full-depth forward of the ``m+1`` positions + acceptance).
+        draft_s, verify_s: wall-clock seconds spent drafting (draft layers + exit head + sampling, or the
+            n-gram / suffix lookup) and verifying (full-depth forward of the ``m+1`` positions + acceptance).
         prefill_s: seconds of the full-depth prompt forward (and first token).
+        by_source: per draft source (``layers``, ``ngram``, ``suffix``; ``none`` = a plain full-depth step)
+            ``{"cycles", "drafted", "accepted", "emitted"}``.
     """
 
     cycles: int = 0
@@ -91,18 +111,62 @@ class SpeculativeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     prefill_s: float = 0.0
+    by_source: dict = field(default_factory=dict)
+
+    def record(self, source: str, drafted: int, accepted: int) -> None:
+        c = self.by_source.setdefault(source, {"cycles": 0, "drafted": 0, "accepted": 0, "emitted": 0})
+        c["cycles"] += 1
+        c["drafted"] += drafted
+        c["accepted"] += accepted
+        c["emitted"] += accepted + 1
 
     def summary(self) -> dict:
         """Rates: ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` = tokens emitted
-        per verify forward including the correction/bonus token (EAGLE's tau; 1.0 = no gain)."""
+        per verify forward including the correction/bonus token (EAGLE's tau; 1.0 = no gain); per source in
+        ``by_source``: ``tokens_per_verify`` and ``acceptance_rate``."""
         c, d = max(self.cycles, 1), max(self.drafted, 1)
+        by_source = {}
+        for name, s in self.by_source.items():
+            by_source[name] = {**s,
+                               "tokens_per_verify": round(s["emitted"] / max(s["cycles"], 1), 4),
+                               "acceptance_rate": (round(s["accepted"] / s["drafted"], 4) if s["drafted"]
+                                                   else float("nan"))}
         return {
             **asdict(self),
+            "by_source": by_source,
             "acceptance_rate": round(self.accepted / d, 4) if self.drafted else float("nan"),
             "mean_accepted_length": round(self.emitted / c, 4) if self.cycles else float("nan"),
             "mean_drafted": round(self.drafted / c, 4) if self.cycles else float("nan"),
             "draft_fraction": round(self.draft_s / max(self.draft_s + self.verify_s, 1e-12), 4),
         }
+
+
+class SpeculativeState(SpeculativeStats):
+    """A request's state: its :class:`SpeculativeStats` (the dataclass fields, all that ``asdict`` and the
+    summary see) plus the draft machinery: ``index`` (:class:`~.drafts.NgramIndex` of prompt + output, or
+    ``None`` without a lookup source), ``policy`` (:class:`~.drafts.DraftPolicy`) and ``head_fraction`` (the
+    LM head's share of a full-depth step, from parameter counts, for the shallow draft's cost)."""
+
+    def __init__(self, index: NgramIndex | None = None, policy: DraftPolicy | None = None,
+                 head_fraction: float = 0.2):
+        super().__init__()
+        self.index = index
+        self.policy = policy or DraftPolicy()
+        self.head_fraction = head_fraction
+
+
+def head_fraction(engine) -> float:
+    """The LM head's share of the weights one decoded token reads: ``V*d / (V*d + L * layer params)``, from
+    the model config (0.2 when the config lacks the sizes)."""
+    cfg = engine.config
+    try:
+        d, ffn, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        hd = getattr(cfg, "head_dim", None) or d // heads
+        layer = 2 * d * heads * hd + 2 * d * kv * hd + 3 * d * ffn
+        return float(v * d / (v * d + engine.num_layers * layer))
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return 0.2
 
 
 class SpeculativeDecoding:
@@ -111,7 +175,7 @@ class SpeculativeDecoding:
     Args:
         num_layers: decoder layers ``L`` of the engine's model (for validation).
         draft_layers: draft depth ``N``, in ``[1, L-1]``.
-        k: maximum drafted tokens per cycle, in ``[1, 64]``.
+        k: maximum drafted tokens per cycle, in ``[1, 64]`` (default 4 for ``draft=layers``, else 16).
         threshold: adaptive draft length: stop drafting when the exit head's max probability is
             below it; in ``[0, 1]`` (0 = always draft ``k``).
         reuse: verify from the draft's layer-``N`` hidden states (runs layers ``N..L-1`` only).
@@ -119,16 +183,33 @@ class SpeculativeDecoding:
             model's final norm + LM head (:meth:`Engine.head`). A calibrated exit head (tuned lens)
             plugs in here.
         exit_head_name: label for stats.
+        draft: draft sources in priority order, ``"ngram+suffix+layers"`` or a tuple of names (default
+            ``"layers"``).
+        max_ngram: longest n-gram matched by the lookup sources, in ``[1, 16]`` (default 3).
+        min_match: shortest match that drafts, in ``[1, max_ngram]`` (default 1).
+        adaptive: per-step policy for the source and draft length (default: on when a lookup source is
+            named, off for ``draft=layers`` alone, which then drafts exactly as before issue #15).
+        suffix_tokens: bound of the suffix cache in tokens, in ``[1, 2**26]`` (default 65536); the cache
+            (``mode.suffix_cache``) is shared by every request this mode object runs.
+        verify_cost: ``a`` of the verify cost model ``c(w) = 1 + a log2(w)`` (relative cost of a
+            ``w``-position full-depth forward), a number in ``[0, 16]`` (default 0.5).
+        ngram: a custom lookup-draft object with ``lookup(index, k, min_match) -> (n, tokens)`` (tests and
+            experiments; default: the request's :class:`~.drafts.NgramIndex` lookup).
 
     Raises:
-        InvalidArgumentError: any option out of range.
+        InvalidArgumentError: any option out of range or an unknown draft source.
     """
 
     name = "speculative"
 
-    def __init__(self, num_layers: int, draft_layers: int | None = None, k: int = DEFAULT_K,
+    def __init__(self, num_layers: int, draft_layers: int | None = None, k: int | None = None,
                  threshold: float = DEFAULT_THRESHOLD, reuse: bool = True, exit_head: ExitHead | None = None,
-                 exit_head_name: str | None = None):
+                 exit_head_name: str | None = None, draft="layers", max_ngram: int = DEFAULT_MAX_NGRAM,
+                 min_match: int = DEFAULT_MIN_MATCH, adaptive: bool | None = None,
+                 suffix_tokens: int = DEFAULT_SUFFIX_TOKENS, verify_cost: float = DEFAULT_VERIFY_COST, ngram=None):
+        sources = parse_draft(draft)
+        if k is None:
+            k = DEFAULT_K if sources == ("layers",) else DEFAULT_LOOKUP_K
         if draft_layers is None:
             draft_layers = max(1, num_layers // 2)
         if isinstance(draft_layers, bool) or not isinstance(draft_layers, int) or not 1 <= draft_layers < num_layers:
@@ -141,6 +222,13 @@ class SpeculativeDecoding:
             raise InvalidArgumentError(f"threshold (draft confidence) must be in [0, 1], got {threshold!r}")
         if exit_head is not None and not callable(exit_head):
             raise InvalidArgumentError("exit_head must be a callable hidden [B, T, d] -> logits [B, T, V]")
+        check_ngram(max_ngram, min_match)
+        if (isinstance(verify_cost, bool) or not isinstance(verify_cost, (int, float))
+                or not 0.0 <= verify_cost <= 16.0):
+            raise InvalidArgumentError(f"verify_cost (extra cost per doubling of the verify width) must be a "
+                                       f"number in [0, 16], got {verify_cost!r}")
+        if ngram is not None and not callable(getattr(ngram, "lookup", None)):
+            raise InvalidArgumentError("ngram must have a lookup(index, k, min_match) -> (n, tokens) method")
         self.num_layers = num_layers
         self.draft_layers = draft_layers
         self.k = k
@@ -148,22 +236,37 @@ class SpeculativeDecoding:
         self.reuse = bool(reuse)
         self.exit_head = exit_head
         self.exit_head_name = exit_head_name or ("lm_head" if exit_head is None else type(exit_head).__name__)
+        self.draft = sources
+        self.max_ngram = max_ngram
+        self.min_match = min_match
+        self.adaptive = any(s in LOOKUP for s in sources) if adaptive is None else bool(adaptive)
+        self.verify_cost = float(verify_cost)
+        self.ngram = ngram
+        self.suffix_cache = SuffixCache(suffix_tokens, max_ngram) if "suffix" in sources else None
         self.calibration: dict | None = None  # filled by the auto calibration
 
     def config(self) -> dict:
-        return {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
-                "reuse": self.reuse, "exit_head": self.exit_head_name}
+        out = {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
+               "reuse": self.reuse, "exit_head": self.exit_head_name}
+        if self.draft != ("layers",):
+            out.update(draft="+".join(self.draft), max_ngram=self.max_ngram, min_match=self.min_match,
+                       adaptive=self.adaptive, verify_cost=self.verify_cost)
+            if self.suffix_cache is not None:
+                out.update(suffix_tokens=self.suffix_cache.max_tokens, suffix_cache_tokens=len(self.suffix_cache))
+        return out
 
     def _check_engine(self, engine) -> None:
         if engine.num_layers != self.num_layers:
             raise InvalidArgumentError(f"this speculative mode was built for a {self.num_layers}-layer model, "
                                        f"the engine has {engine.num_layers} layers")
 
-    # -- the mode interface: per-request state is the request's SpeculativeStats -----------------
-    def new_state(self, engine, request=None) -> SpeculativeStats:
+    # -- the mode interface: per-request state is the request's SpeculativeState -----------------
+    def new_state(self, engine, request=None) -> SpeculativeState:
         """Raises InvalidArgumentError: the engine's model has another number of layers than the mode's."""
         self._check_engine(engine)
-        return SpeculativeStats()
+        lookup = any(s in LOOKUP for s in self.draft)
+        return SpeculativeState(NgramIndex(self.max_ngram) if lookup else None, DraftPolicy(),
+                                head_fraction(engine))
 
     @torch.inference_mode()
     def prefill(self, engine, request) -> list[Emitted]:
@@ -171,7 +274,15 @@ class SpeculativeDecoding:
         out = engine.prefill(request.prompt_ids.unsqueeze(0), cache=request.cache)
         cur = request.sample(out.logits[0, -1])
         request.state.prefill_s = time.perf_counter() - t0
+        self._record_tokens(request, request.prompt_ids.tolist() + [cur])
         return [Emitted(cur, engine.num_layers, {"kind": "prefill"})]
+
+    def _record_tokens(self, request, tokens: list[int]) -> None:
+        st = request.state
+        if st.index is not None:
+            st.index.extend(tokens)
+        if self.suffix_cache is not None:
+            self.suffix_cache.extend(request.request_id, tokens)
 
     @torch.inference_mode()
     def step(self, engine, request) -> list[Emitted]:
@@ -181,14 +292,62 @@ class SpeculativeDecoding:
         cache = request.cache
         room = cache.max_len - cache.length - 1  # positions left after cur's
         k = max(min(self.k, request.remaining - 1, room), 0)
-        emitted, drafted, layers = self._cycle(engine, request, request.last_token, k)
+        t0 = time.perf_counter()
+        source, key, m, lookup = self._choose(request, k)
+        st.draft_s += time.perf_counter() - t0
+        emitted, drafted, layers = self._cycle(engine, request, request.last_token, source, m, lookup)
         accepted = len(emitted) - 1
+        st.record(source, drafted, accepted)
+        if self.adaptive:
+            st.policy.update(key, accepted, drafted)
+        self._record_tokens(request, emitted)
         out = []
         for i, tok in enumerate(emitted):
             kind = "accepted" if i < accepted else ("bonus" if accepted == drafted else "correction")
             out.append(Emitted(tok, layers / len(emitted),
-                               {"cycle": st.cycles - 1, "drafted": drafted, "accepted": accepted, "kind": kind}))
+                               {"cycle": st.cycles - 1, "drafted": drafted, "accepted": accepted, "kind": kind,
+                                "source": source}))
         return out
+
+    def _layers_cost(self, st, m: int) -> float:
+        """Relative cost (a plain full-depth step = 1) of drafting ``m`` tokens with the shallow path and
+        verifying ``m + 1`` positions."""
+        h, f = st.head_fraction, self.draft_layers / self.num_layers
+        steps = m + 1 if self.reuse else m
+        c = verify_cost(m + 1, self.verify_cost)
+        return steps * f * (1 - h) + m * h + ((1 - f) if self.reuse else 1.0) * (1 - h) * c + h * c
+
+    def _choose(self, request, k: int) -> tuple[str, str | None, int, list[int] | None]:
+        """The cycle's ``(source, policy key, draft length, lookup tokens or None)``; ``("none", None, 0,
+        None)``: a plain full-depth step."""
+        if k < 1:
+            return "none", None, 0, None
+        st = request.state
+        best = ("none", None, 0, None)
+        best_gain = 1.0
+        for src in self.draft:
+            if src == "layers":
+                key, toks, max_m = "layers", None, k
+                cost = lambda m: self._layers_cost(st, m)  # noqa: E731
+            else:
+                if src == "ngram":
+                    finder = self.ngram.lookup if self.ngram is not None else (
+                        lambda index, kk, mm: index.lookup(kk, mm))
+                    n, toks = finder(st.index, k, self.min_match)
+                else:
+                    n, toks = self.suffix_cache.lookup(st.index.tokens, k, self.min_match,
+                                                       exclude=request.request_id)
+                toks = [int(t) for t in toks[:k]]
+                if n < 1 or not toks:
+                    continue
+                key, max_m = f"{src}/{n}", len(toks)
+                cost = lambda m: verify_cost(m + 1, self.verify_cost)  # noqa: E731
+            if not self.adaptive:
+                return src, key, max_m, toks
+            m, gain = st.policy.best_length(key, max_m, cost)
+            if m >= 1 and gain > best_gain:
+                best, best_gain = (src, key, m, toks), gain
+        return best
 
     def summary(self, request) -> dict:
         """``{"speculative": {config..., counters..., rates...}}`` (merged into ``GenerationResult.extra``)."""
@@ -203,14 +362,12 @@ class SpeculativeDecoding:
         model's (computed at full depth; ``layers`` = L for every position)."""
         return FullDepth().score(engine, input_ids)
 
-    def _cycle(self, engine, request, cur: int, k: int) -> tuple[list[int], int, float]:
-        """One draft + verify cycle from ``cur``; returns (emitted tokens, drafted count, layer passes)."""
-        params, st, cache, gen = request.params, request.state, request.cache, request.generator
-        n_draft, n_layers = self.draft_layers, engine.num_layers
+    def _draft_layers(self, engine, request, cur: int, k: int):
+        """Shallow-path draft of up to ``k`` tokens; returns (drafts, q probabilities, layer-N hiddens, steps)."""
+        params, cache, gen = request.params, request.cache, request.generator
+        n_draft = self.draft_layers
         head = self.exit_head or engine.head
         start = cache.length
-        # 1. draft: step j feeds x_j (x_0 = cur) at start + j through layers < N
-        t0 = time.perf_counter()
         drafts: list[int] = []
         q_probs: list[torch.Tensor] = []
         hiddens: list[torch.Tensor] = []
@@ -236,11 +393,32 @@ class SpeculativeDecoding:
                 x = int(torch.multinomial(q, 1, generator=gen))
                 q_probs.append(q)
             drafts.append(x)
+        return drafts, q_probs, hiddens, steps
+
+    def _cycle(self, engine, request, cur: int, source: str, k: int,
+               lookup: list[int] | None) -> tuple[list[int], int, float]:
+        """One draft + verify cycle from ``cur``; returns (emitted tokens, drafted count, layer passes).
+
+        ``source`` ``layers``: draft up to ``k`` tokens with the shallow path; ``ngram`` / ``suffix``: the
+        first ``k`` of ``lookup`` (deterministic drafts); ``none``: no draft (a plain full-depth step)."""
+        params, st, cache, gen = request.params, request.state, request.cache, request.generator
+        n_draft, n_layers = self.draft_layers, engine.num_layers
+        start = cache.length
+        # 1. draft: step j feeds x_j (x_0 = cur) at start + j through layers < N
+        t0 = time.perf_counter()
+        steps = 0
+        reuse = False
+        q_probs: list[torch.Tensor] | None = None  # None: deterministic drafts (q = one-hot)
+        if source == "layers" and k > 0:
+            drafts, q_probs, hiddens, steps = self._draft_layers(engine, request, cur, k)
+            reuse = self.reuse
+        else:
+            drafts = list(lookup[:k]) if lookup is not None else []
         m = len(drafts)
         t1 = time.perf_counter()
         # 2. verify [cur, d1..dm] at full depth (positions start .. start+m), rewriting the drafted positions
         h_in, state = engine.begin(torch.tensor([[cur] + drafts]), start=start, cache=cache)
-        if self.reuse:
+        if reuse:
             h = engine.run_layers(n_draft, n_layers, torch.cat(hiddens[: m + 1], dim=1), state)
         else:
             h = engine.run_layers(0, n_layers, h_in, state)
@@ -258,11 +436,18 @@ class SpeculativeDecoding:
             a, last = 0, None
             while a < m:
                 d = drafts[a]
-                ratio = float(p[a, d]) / float(q_probs[a][d])
+                # speculative sampling (Leviathan et al. 2023, Alg. 1): accept with min(1, p(d) / q(d)); a
+                # deterministic draft has q = one-hot(d), so the ratio is p(d)
+                q_d = float(q_probs[a][d]) if q_probs is not None else 1.0
+                ratio = float(p[a, d]) / q_d
                 if ratio >= 1.0 or float(torch.rand((), generator=gen)) < ratio:
                     a += 1
                     continue
-                residual = (p[a] - q_probs[a]).clamp_min(0)
+                if q_probs is not None:
+                    residual = (p[a] - q_probs[a]).clamp_min(0)
+                else:  # norm(max(0, p - one-hot(d))): p without d
+                    residual = p[a].clone()
+                    residual[d] = 0.0
                 if float(residual.sum()) <= 0:  # p == q: rejection has probability 0; guard rounding
                     residual = p[a]
                 last = int(torch.multinomial(residual, 1, generator=gen))
@@ -279,9 +464,8 @@ class SpeculativeDecoding:
         st.draft_steps += steps
         st.draft_s += t1 - t0
         st.verify_s += t2 - t1
-        layers = steps * n_draft + (n_layers - n_draft if self.reuse else n_layers)
+        layers = steps * n_draft + (n_layers - n_draft if reuse else n_layers)
         return drafts[:a] + [last], m, float(layers)
-
 
 # -- spec-string factory --------------------------------------------------------------------------
 AUTO_OPTIONS = ("draft_layers", "k", "threshold")
@@ -298,8 +482,17 @@ class SpeculativeOptions:
     reuse: Optional[bool] = None
     auto: bool = False
     laser: Optional[str] = None
+    draft: Optional[str] = None
+    max_ngram: Optional[int] = None
+    min_match: Optional[int] = None
+    adaptive: Optional[bool] = None
+    suffix_tokens: Optional[int] = None
+    verify_cost: Optional[float] = None
 
 
+LAYERS_ONLY = ("draft_layers", "threshold", "reuse", "laser")  # options of the shallow-path draft
+LOOKUP_OPTIONS = ("max_ngram", "min_match")
+DRAFT_OPTIONS = ("draft", "max_ngram", "min_match", "adaptive", "suffix_tokens", "verify_cost")
 OPTIONS = tuple(f.name for f in fields(SpeculativeOptions))
 
 
@@ -344,7 +537,12 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
 
 
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
-    """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH]`` -> :class:`SpeculativeDecoding`.
+    """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH][,draft=ngram+suffix+layers,max_ngram=3,
+    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.5]`` -> :class:`SpeculativeDecoding`.
+
+    ``draft`` names the draft sources (module docstring); the shallow-path options (``draft_layers``,
+    ``threshold``, ``reuse``, ``laser``, ``auto``) need ``layers`` among them, ``max_ngram`` / ``min_match`` a
+    lookup source, ``suffix_tokens`` the ``suffix`` source.
 
     ``draft_layers``, ``k`` and ``threshold`` accept ``auto``; ``auto=1`` makes every option not
     given ``auto``. Auto options are chosen by :func:`~laserlm.speculative.calibration.calibrate`
@@ -356,11 +554,30 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     :func:`laser_exit_head` for the default depth and the errors).
 
     Raises:
-        InvalidArgumentError: unknown option, malformed or out-of-range value, missing calibration data,
+        InvalidArgumentError: unknown option, malformed or out-of-range value (e.g. ``max_ngram`` outside
+            ``[1, 16]``), an unknown draft source, an option of a draft source ``draft`` does not name,
+            missing calibration data,
             a laser file for another model or without a head at the draft depth.
         ModelNotFoundError / CorruptModelError: the laser file is missing / unreadable.
     """
     o = from_spec(SpeculativeOptions, opts, "speculative")
+    sources = parse_draft(o.draft) if o.draft is not None else ("layers",)
+    draft_kwargs = {key: getattr(o, key) for key in DRAFT_OPTIONS if getattr(o, key) is not None}
+    if "layers" not in sources:
+        given = [key for key in (*LAYERS_ONLY, "auto") if getattr(o, key) not in (None, False)]
+        if o.k == "auto":
+            given.append("k=auto")
+        if given:
+            raise InvalidArgumentError(f"speculative option(s) {', '.join(given)} set the shallow-path draft, "
+                                       f"which draft={o.draft} does not use (add +layers to draft)")
+    if not any(s in LOOKUP for s in sources):
+        given = [key for key in (*LOOKUP_OPTIONS, "suffix_tokens") if getattr(o, key) is not None]
+        if given:
+            raise InvalidArgumentError(f"speculative option(s) {', '.join(given)} set the n-gram / suffix drafts; "
+                                       f"name them in draft= (e.g. draft=ngram+layers)")
+    if o.suffix_tokens is not None and "suffix" not in sources:
+        raise InvalidArgumentError(f"speculative option suffix_tokens bounds the suffix cache; draft={o.draft} "
+                                   "does not use it (add +suffix to draft)")
     if o.auto:
         for key in AUTO_OPTIONS:
             if getattr(o, key) is None:
@@ -368,6 +585,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     auto = {key for key in AUTO_OPTIONS if getattr(o, key) == "auto"}
     kwargs: dict = {key: getattr(o, key) for key in (*AUTO_OPTIONS, "reuse")
                     if getattr(o, key) is not None and key not in auto}
+    kwargs.update(draft_kwargs)
     if o.laser is not None:
         if "draft_layers" in auto:
             raise InvalidArgumentError("draft_layers=auto is not supported with laser=: give draft_layers=N "
@@ -386,10 +604,10 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         best = report["chosen"]
         mode = SpeculativeDecoding(engine.num_layers, draft_layers=best["draft_layers"], k=best["k"],
                                    threshold=best["threshold"], reuse=mode.reuse, exit_head=mode.exit_head,
-                                   exit_head_name=mode.exit_head_name)
+                                   exit_head_name=mode.exit_head_name, **draft_kwargs)
         mode.calibration = report
     return mode
 
 
-__all__ = ["SpeculativeDecoding", "SpeculativeOptions", "SpeculativeStats", "make_speculative", "laser_exit_head",
-           "ExitHead"]
+__all__ = ["SpeculativeDecoding", "SpeculativeOptions", "SpeculativeState", "SpeculativeStats", "make_speculative",
+           "laser_exit_head", "head_fraction", "ExitHead"]

@@ -1,0 +1,276 @@
+"""Draft sources without a model: n-gram (prompt lookup) drafts and a bounded suffix cache, and the
+per-step policy that picks a draft source and a draft length.
+
+Sources:
+
+- **n-gram / prompt lookup** (Saxena 2023, "Prompt Lookup Decoding", the method behind transformers'
+  ``generate(prompt_lookup_num_tokens=...)`` and vLLM's ``ngram`` proposer): the last ``n`` tokens of the
+  request (prompt + generated text, ``n`` from ``max_ngram`` down to ``min_match``) are looked up among
+  its earlier tokens; the tokens that followed the most recent earlier occurrence are the draft.
+  :class:`NgramIndex` keeps, per request, a hash map ``n-gram -> last end position`` for every
+  ``n <= max_ngram``, updated incrementally, so a lookup costs ``O(max_ngram)`` dict probes.
+- **suffix cache** (after SuffixDecoding, Oliaro et al. 2024, "SuffixDecoding: A Model-Free Approach to
+  Speeding Up Large Language Model Inference", which drafts from suffix trees over earlier requests):
+  :class:`SuffixCache` indexes the tokens (prompt + output) of the earlier requests of the process in the
+  same n-gram maps, bounded to ``max_tokens`` stored tokens (oldest requests are evicted first). It is a
+  hashed n-gram index rather than a suffix tree: matches are at most ``max_ngram`` tokens long and a draft
+  is the single continuation of the most recent occurrence (no frequency-weighted tree of continuations).
+- **shallow path** (the model's first layers): lives in :mod:`.self_speculative`.
+
+Lookup drafts have no draft distribution: they are *deterministic* drafts, ``q = one-hot(d)``. The lossless
+acceptance rule for them is the speculative-sampling rule (Leviathan et al. 2023, Algorithm 1; Chen et al.
+2023) with that ``q``: accept ``d`` with probability ``min(1, p(d) / q(d)) = p(d)``; on rejection sample
+from ``norm(max(0, p - q))``, which is ``p`` with ``d`` removed and renormalised. (Equivalently: draw
+``t ~ p``, accept iff ``t == d``, else emit ``t``.) Greedy decoding accepts iff ``d`` is the argmax.
+
+Policy (:class:`DraftPolicy`): for each candidate source it estimates the per-token acceptance ``alpha``
+from the request's recent cycles (geometric model: a cycle that accepted ``a`` of ``m`` drafts counts ``a``
+successes in ``a + [a < m]`` trials; counts decay by ``DECAY`` per update, and an unused estimate relaxes
+towards the prior by ``IDLE_DECAY`` per cycle, so a source that stopped paying is probed again later).
+N-gram and suffix estimates are kept per match length ``n`` (a 3-token match is more reliable than a
+1-token one). With a relative cost ``C(m)`` of drafting ``m`` tokens and verifying ``m + 1`` positions
+(a plain full-depth step costs 1), the expected tokens per cycle are ``E(m) = (1 - alpha^(m+1)) / (1 -
+alpha)`` (Leviathan et al. 2023, eq. 1) and the policy picks the source and ``m`` that maximise
+``E(m) / C(m)``; when no choice beats a plain step (``E/C <= 1``) it drafts nothing. This is the adaptive
+draft length and the fall-back to no draft. Verify cost model: ``c(w) = 1 + verify_cost * log2(w)`` for a
+``w``-position forward relative to one position (fitted on smollm2-135m, float32, 1 CPU thread: measured
+1.7x at w=2, 2.2x at w=5..9, 2.8x at w=17; see benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgumentError
+
+MAX_NGRAM = 16
+DEFAULT_MAX_NGRAM = 3
+DEFAULT_MIN_MATCH = 1
+DEFAULT_SUFFIX_TOKENS = 65536
+MAX_SUFFIX_TOKENS = 1 << 26
+DEFAULT_VERIFY_COST = 0.5
+DEFAULT_PRIOR = 0.7
+PRIOR_WEIGHT = 2.0
+DECAY = 0.9
+IDLE_DECAY = 0.98
+SOURCES = ("ngram", "suffix", "layers")
+
+
+def parse_draft(value) -> tuple[str, ...]:
+    """``"ngram+layers"`` (or a sequence of names) -> ``("ngram", "layers")``: the draft sources, in priority
+    order (ties of the policy and ``adaptive=0`` take the first).
+
+    Raises:
+        InvalidArgumentError: empty, an unknown source (known: ngram, suffix, layers) or a repeated one.
+    """
+    parts = value.split("+") if isinstance(value, str) else list(value)
+    names = tuple(str(p).strip().lower() for p in parts)
+    if not names or any(not n for n in names):
+        raise InvalidArgumentError(f"draft must name draft sources joined by '+' (of {', '.join(SOURCES)}), "
+                                   f"got {value!r}")
+    bad = [n for n in names if n not in SOURCES]
+    if bad:
+        raise InvalidArgumentError(f"unknown draft source(s) {', '.join(bad)} in draft={value!r}; "
+                                   f"known: {', '.join(SOURCES)}")
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"draft={value!r} names a source twice")
+    return names
+
+
+def check_ngram(max_ngram, min_match) -> None:
+    """Raises InvalidArgumentError: ``max_ngram`` not an integer in ``[1, 16]`` or ``min_match`` not in
+    ``[1, max_ngram]``."""
+    if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or not 1 <= max_ngram <= MAX_NGRAM:
+        raise InvalidArgumentError(f"max_ngram (longest n-gram matched) must be an integer in [1, {MAX_NGRAM}], "
+                                   f"got {max_ngram!r}")
+    if isinstance(min_match, bool) or not isinstance(min_match, int) or not 1 <= min_match <= max_ngram:
+        raise InvalidArgumentError(f"min_match (shortest n-gram match that drafts) must be an integer in "
+                                   f"[1, max_ngram={max_ngram}], got {min_match!r}")
+
+
+class _Maps:
+    """``max_ngram`` hash maps ``n-gram tuple -> value`` (shared by the request index and the suffix cache)."""
+
+    def __init__(self, max_ngram: int):
+        self.maps: list[dict] = [{} for _ in range(max_ngram)]
+
+    def entries(self) -> int:
+        return sum(len(m) for m in self.maps)
+
+
+class NgramIndex:
+    """The n-gram index of one request's tokens (prompt + generated), for prompt-lookup drafts.
+
+    ``tokens`` is the request's token list; an n-gram ending at position ``e`` is indexed once a token at
+    ``e + 1`` exists (it then has a continuation). Lookups find the most recent earlier occurrence.
+    """
+
+    def __init__(self, max_ngram: int, tokens=()):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = [int(t) for t in tokens]
+        self._maps = _Maps(max_ngram).maps
+        self._indexed = 0  # end positions < _indexed are in the maps
+
+    def extend(self, tokens) -> None:
+        """Append tokens (ints) to the request's sequence."""
+        self.tokens.extend(int(t) for t in tokens)
+
+    def _update(self) -> None:
+        toks, maps = self.tokens, self._maps
+        for e in range(self._indexed, len(toks) - 1):
+            for n in range(1, min(self.max_ngram, e + 1) + 1):
+                maps[n - 1][tuple(toks[e - n + 1:e + 1])] = e
+        self._indexed = max(self._indexed, len(toks) - 1)
+
+    def lookup(self, k: int, min_match: int = 1) -> tuple[int, list[int]]:
+        """The longest match (``n`` from ``max_ngram`` down to ``min_match``) of the sequence's last ``n``
+        tokens at an earlier position, and up to ``k`` tokens that followed it; ``(0, [])`` when none."""
+        self._update()
+        toks = self.tokens
+        t = len(toks)
+        for n in range(min(self.max_ngram, t - 1), min_match - 1, -1):
+            e = self._maps[n - 1].get(tuple(toks[t - n:]))
+            if e is not None:
+                return n, toks[e + 1:e + 1 + k]
+        return 0, []
+
+
+class SuffixCache:
+    """A bounded n-gram index over the token sequences (prompt + output) of earlier requests of a process.
+
+    Args:
+        max_tokens: at most this many tokens are stored over all sequences (>= 1); when a sequence grows
+            past it the oldest *other* sequences are evicted (with their index entries); a single sequence
+            longer than the bound keeps only its first ``max_tokens`` tokens.
+        max_ngram: longest n-gram indexed, in ``[1, 16]``.
+
+    ``len(cache)`` is the stored tokens (always ``<= max_tokens``); :meth:`index_entries` the index size
+    (at most ``max_ngram * max_tokens``).
+
+    Raises:
+        InvalidArgumentError: ``max_tokens`` not an integer in ``[1, 2**26]`` or a bad ``max_ngram``.
+    """
+
+    def __init__(self, max_tokens: int = DEFAULT_SUFFIX_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM):
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_SUFFIX_TOKENS:
+            raise InvalidArgumentError(f"suffix_tokens (suffix cache bound, tokens) must be an integer in "
+                                       f"[1, {MAX_SUFFIX_TOKENS}], got {max_tokens!r}")
+        check_ngram(max_ngram, 1)
+        self.max_tokens = max_tokens
+        self.max_ngram = max_ngram
+        self._seqs: OrderedDict[str, list[int]] = OrderedDict()  # oldest first
+        self._maps = _Maps(max_ngram).maps  # n-gram -> (sequence id, end position)
+        self._total = 0
+
+    def __len__(self) -> int:
+        return self._total
+
+    def index_entries(self) -> int:
+        return sum(len(m) for m in self._maps)
+
+    def sequences(self) -> int:
+        return len(self._seqs)
+
+    def extend(self, seq_id: str, tokens) -> None:
+        """Append ``tokens`` to sequence ``seq_id`` (created if new) and index its new n-grams."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            seq = self._seqs[seq_id] = []
+        while self._total + len(tokens) > self.max_tokens and len(self._seqs) > 1:
+            oldest = next(iter(self._seqs))
+            if oldest == seq_id:
+                self._seqs.move_to_end(seq_id)
+                oldest = next(iter(self._seqs))
+            self._evict(oldest)
+        tokens = tokens[:max(self.max_tokens - self._total, 0)]
+        if not tokens:
+            return
+        start = len(seq)
+        seq.extend(tokens)
+        self._total += len(tokens)
+        for e in range(max(start - 1, 0), len(seq) - 1):  # n-grams ending at e now have a continuation
+            for n in range(1, min(self.max_ngram, e + 1) + 1):
+                self._maps[n - 1][tuple(seq[e - n + 1:e + 1])] = (seq_id, e)
+
+    def _evict(self, seq_id: str) -> None:
+        seq = self._seqs.pop(seq_id)
+        self._total -= len(seq)
+        for e in range(len(seq) - 1):
+            for n in range(1, min(self.max_ngram, e + 1) + 1):
+                key = tuple(seq[e - n + 1:e + 1])
+                if self._maps[n - 1].get(key, (None,))[0] == seq_id:
+                    del self._maps[n - 1][key]
+
+    def lookup(self, tokens: list[int], k: int, min_match: int = 1, exclude: str | None = None,
+               max_ngram: int | None = None) -> tuple[int, list[int]]:
+        """The longest match of the last ``n`` of ``tokens`` (``n`` from ``max_ngram`` down to
+        ``min_match``) in a stored sequence other than ``exclude``, and up to ``k`` tokens that followed it;
+        ``(0, [])`` when none."""
+        top = min(self.max_ngram if max_ngram is None else max_ngram, self.max_ngram, len(tokens))
+        for n in range(top, min_match - 1, -1):
+            hit = self._maps[n - 1].get(tuple(tokens[len(tokens) - n:]))
+            if hit is not None and hit[0] != exclude:
+                seq = self._seqs[hit[0]]
+                return n, seq[hit[1] + 1:hit[1] + 1 + k]
+        return 0, []
+
+
+def verify_cost(width: int, a: float) -> float:
+    """Relative cost of a full-depth forward over ``width`` positions (1 position = 1): ``1 + a log2(width)``."""
+    return 1.0 + a * math.log2(max(width, 1))
+
+
+def expected_tokens(alpha: float, m: int) -> float:
+    """Expected tokens emitted by a cycle of ``m`` drafts with i.i.d. acceptance ``alpha`` (incl. the
+    correction/bonus token): ``sum_{i<=m} alpha^i`` (Leviathan et al. 2023, eq. 1)."""
+    if alpha >= 1.0:
+        return float(m + 1)
+    return (1.0 - alpha ** (m + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class DraftPolicy:
+    """Per-request acceptance estimates behind the choice of draft source and length (module docstring).
+
+    Keys are ``"layers"``, ``"ngram/3"``, ``"suffix/2"``, ... (source / match length).
+    """
+
+    prior: float = DEFAULT_PRIOR
+    counts: dict = field(default_factory=dict)  # key -> [successes, trials]
+
+    def alpha(self, key: str) -> float:
+        s, t = self.counts.get(key, (0.0, 0.0))
+        return (s + self.prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+
+    def update(self, key: str | None, accepted: int, drafted: int) -> None:
+        """Record a cycle of ``key`` (``None``: a plain step); every other estimate relaxes to the prior."""
+        for other, c in self.counts.items():
+            if other != key:
+                c[0] *= IDLE_DECAY
+                c[1] *= IDLE_DECAY
+        if key is None or drafted <= 0:
+            return
+        c = self.counts.setdefault(key, [0.0, 0.0])
+        c[0] = c[0] * DECAY + accepted
+        c[1] = c[1] * DECAY + accepted + (1 if accepted < drafted else 0)
+
+    def best_length(self, key: str, max_m: int, cost) -> tuple[int, float]:
+        """``(m, E(m)/C(m))`` maximising the expected speed-up for ``1 <= m <= max_m`` under ``cost(m)``;
+        ``(0, 1.0)`` when ``max_m < 1``."""
+        a = self.alpha(key)
+        best = (0, 1.0)
+        for m in range(1, max_m + 1):
+            gain = expected_tokens(a, m) / cost(m)
+            if gain > best[1] + 1e-12:
+                best = (m, gain)
+        return best
+
+
+__all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS", "DEFAULT_VERIFY_COST", "DraftPolicy",
+           "MAX_NGRAM", "NgramIndex", "SOURCES", "SuffixCache", "check_ngram", "expected_tokens", "parse_draft",
+           "verify_cost"]
