@@ -77,7 +77,7 @@ def test_suffix_cache_drafts_from_earlier_requests_only():
 
 def test_policy_drafts_longer_with_high_acceptance_and_not_at_all_with_low():
     pol = DraftPolicy()
-    cost = lambda m: verify_cost(m + 1, 0.5)  # noqa: E731
+    cost = lambda m: verify_cost(m + 1)  # noqa: E731
     for _ in range(10):
         pol.update("ngram/3", 8, 8)
     m_hi, gain_hi = pol.best_length("ngram/3", 16, cost)
@@ -105,6 +105,8 @@ def test_policy_drafts_longer_with_high_acceptance_and_not_at_all_with_low():
     ("speculative:draft=ngram,k=auto", "k=auto set the shallow-path draft"),
     ("speculative:max_ngram=2", "max_ngram set the n-gram / suffix drafts; name them in draft="),
     ("speculative:draft=ngram,verify_cost=-1", "verify_cost (extra cost per doubling of the verify width)"),
+    ("speculative:draft=ngram,verify_base=x", "verify_base must be a number, got 'x'"),
+    ("speculative:draft=ngram,verify_base=20", "verify_base (extra cost of a multi-position verify) must be"),
 ])
 def test_bad_draft_options(spec, message):
     engine = Engine(tiny_model(), max_seq_len=32)

@@ -32,9 +32,12 @@ N-gram and suffix estimates are kept per match length ``n`` (a 3-token match is 
 (a plain full-depth step costs 1), the expected tokens per cycle are ``E(m) = (1 - alpha^(m+1)) / (1 -
 alpha)`` (Leviathan et al. 2023, eq. 1) and the policy picks the source and ``m`` that maximise
 ``E(m) / C(m)``; when no choice beats a plain step (``E/C <= 1``) it drafts nothing. This is the adaptive
-draft length and the fall-back to no draft. Verify cost model: ``c(w) = 1 + verify_cost * log2(w)`` for a
-``w``-position forward relative to one position (fitted on smollm2-135m, float32, 1 CPU thread: measured
-1.7x at w=2, 2.2x at w=5..9, 2.8x at w=17; see benchmarks/RESULTS.md).
+draft length and the fall-back to no draft. Verify cost model: ``c(1) = 1`` and
+``c(w) = 1 + verify_base + verify_cost * log2(w)`` for ``w >= 2`` (a ``w``-position full-depth forward relative
+to one position; a one-row matrix product is a cheaper kernel than a many-row one on CPU, hence the step).
+Defaults fitted on smollm2-135m, float32, 1 CPU thread (measured 1.7x at w=2, 2.2x at w=3..9, 2.8x at
+w=17: ``verify_base = 0.34``, ``verify_cost = 0.36``). Priors of the acceptance estimates: ``0.7`` for the
+shallow path, ``0.6 + 0.08 n`` for an ``n``-token lookup match (``n <= 3``).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_MATCH = 1
 DEFAULT_SUFFIX_TOKENS = 65536
 MAX_SUFFIX_TOKENS = 1 << 26
-DEFAULT_VERIFY_COST = 0.5
+DEFAULT_VERIFY_COST = 0.36
+DEFAULT_VERIFY_BASE = 0.34
 DEFAULT_PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
@@ -220,9 +224,12 @@ class SuffixCache:
         return 0, []
 
 
-def verify_cost(width: int, a: float) -> float:
-    """Relative cost of a full-depth forward over ``width`` positions (1 position = 1): ``1 + a log2(width)``."""
-    return 1.0 + a * math.log2(max(width, 1))
+def verify_cost(width: int, a: float = DEFAULT_VERIFY_COST, base: float = DEFAULT_VERIFY_BASE) -> float:
+    """Relative cost of a full-depth forward over ``width`` positions (1 position = 1):
+    ``1 + base + a log2(width)`` for ``width >= 2``."""
+    if width <= 1:
+        return 1.0
+    return 1.0 + base + a * math.log2(width)
 
 
 def expected_tokens(alpha: float, m: int) -> float:
@@ -243,9 +250,15 @@ class DraftPolicy:
     prior: float = DEFAULT_PRIOR
     counts: dict = field(default_factory=dict)  # key -> [successes, trials]
 
+    def prior_of(self, key: str) -> float:
+        """The prior acceptance of ``key``: ``prior`` for the shallow path, ``0.6 + 0.08 min(n, 3)`` for an
+        ``n``-token lookup match (a longer match predicts its continuation better)."""
+        src, _, n = key.partition("/")
+        return self.prior if not n else 0.6 + 0.08 * min(int(n), 3)
+
     def alpha(self, key: str) -> float:
         s, t = self.counts.get(key, (0.0, 0.0))
-        return (s + self.prior * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
+        return (s + self.prior_of(key) * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
 
     def update(self, key: str | None, accepted: int, drafted: int) -> None:
         """Record a cycle of ``key`` (``None``: a plain step); every other estimate relaxes to the prior."""
@@ -271,6 +284,7 @@ class DraftPolicy:
         return best
 
 
-__all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS", "DEFAULT_VERIFY_COST", "DraftPolicy",
+__all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS", "DEFAULT_VERIFY_BASE",
+           "DEFAULT_VERIFY_COST", "DraftPolicy",
            "MAX_NGRAM", "NgramIndex", "SOURCES", "SuffixCache", "check_ngram", "expected_tokens", "parse_draft",
            "verify_cost"]

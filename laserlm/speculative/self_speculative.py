@@ -74,8 +74,8 @@ from ..runtime.loop import Emitted
 from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
-from .drafts import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS, DEFAULT_VERIFY_COST, DraftPolicy,
-                     NgramIndex, SuffixCache, check_ngram, parse_draft, verify_cost)
+from .drafts import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS, DEFAULT_VERIFY_BASE,
+                     DEFAULT_VERIFY_COST, DraftPolicy, NgramIndex, SuffixCache, check_ngram, parse_draft, verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -191,8 +191,9 @@ class SpeculativeDecoding:
             named, off for ``draft=layers`` alone, which then drafts exactly as before issue #15).
         suffix_tokens: bound of the suffix cache in tokens, in ``[1, 2**26]`` (default 65536); the cache
             (``mode.suffix_cache``) is shared by every request this mode object runs.
-        verify_cost: ``a`` of the verify cost model ``c(w) = 1 + a log2(w)`` (relative cost of a
-            ``w``-position full-depth forward), a number in ``[0, 16]`` (default 0.5).
+        verify_cost, verify_base: ``a`` and ``b`` of the verify cost model ``c(w) = 1 + b + a log2(w)``
+            (``w >= 2``; the relative cost of a ``w``-position full-depth forward, :func:`~.drafts.verify_cost`),
+            numbers in ``[0, 16]`` (defaults 0.36 and 0.34, fitted on smollm2-135m on 1 CPU thread).
         ngram: a custom lookup-draft object with ``lookup(index, k, min_match) -> (n, tokens)`` (tests and
             experiments; default: the request's :class:`~.drafts.NgramIndex` lookup).
 
@@ -206,7 +207,8 @@ class SpeculativeDecoding:
                  threshold: float = DEFAULT_THRESHOLD, reuse: bool = True, exit_head: ExitHead | None = None,
                  exit_head_name: str | None = None, draft="layers", max_ngram: int = DEFAULT_MAX_NGRAM,
                  min_match: int = DEFAULT_MIN_MATCH, adaptive: bool | None = None,
-                 suffix_tokens: int = DEFAULT_SUFFIX_TOKENS, verify_cost: float = DEFAULT_VERIFY_COST, ngram=None):
+                 suffix_tokens: int = DEFAULT_SUFFIX_TOKENS, verify_cost: float = DEFAULT_VERIFY_COST,
+                 verify_base: float = DEFAULT_VERIFY_BASE, ngram=None):
         sources = parse_draft(draft)
         if k is None:
             k = DEFAULT_K if sources == ("layers",) else DEFAULT_LOOKUP_K
@@ -227,6 +229,10 @@ class SpeculativeDecoding:
                 or not 0.0 <= verify_cost <= 16.0):
             raise InvalidArgumentError(f"verify_cost (extra cost per doubling of the verify width) must be a "
                                        f"number in [0, 16], got {verify_cost!r}")
+        if (isinstance(verify_base, bool) or not isinstance(verify_base, (int, float))
+                or not 0.0 <= verify_base <= 16.0):
+            raise InvalidArgumentError(f"verify_base (extra cost of a multi-position verify) must be a number in "
+                                       f"[0, 16], got {verify_base!r}")
         if ngram is not None and not callable(getattr(ngram, "lookup", None)):
             raise InvalidArgumentError("ngram must have a lookup(index, k, min_match) -> (n, tokens) method")
         self.num_layers = num_layers
@@ -241,6 +247,7 @@ class SpeculativeDecoding:
         self.min_match = min_match
         self.adaptive = any(s in LOOKUP for s in sources) if adaptive is None else bool(adaptive)
         self.verify_cost = float(verify_cost)
+        self.verify_base = float(verify_base)
         self.ngram = ngram
         self.suffix_cache = SuffixCache(suffix_tokens, max_ngram) if "suffix" in sources else None
         self.calibration: dict | None = None  # filled by the auto calibration
@@ -250,7 +257,7 @@ class SpeculativeDecoding:
                "reuse": self.reuse, "exit_head": self.exit_head_name}
         if self.draft != ("layers",):
             out.update(draft="+".join(self.draft), max_ngram=self.max_ngram, min_match=self.min_match,
-                       adaptive=self.adaptive, verify_cost=self.verify_cost)
+                       adaptive=self.adaptive, verify_cost=self.verify_cost, verify_base=self.verify_base)
             if self.suffix_cache is not None:
                 out.update(suffix_tokens=self.suffix_cache.max_tokens, suffix_cache_tokens=len(self.suffix_cache))
         return out
@@ -314,7 +321,7 @@ class SpeculativeDecoding:
         verifying ``m + 1`` positions."""
         h, f = st.head_fraction, self.draft_layers / self.num_layers
         steps = m + 1 if self.reuse else m
-        c = verify_cost(m + 1, self.verify_cost)
+        c = verify_cost(m + 1, self.verify_cost, self.verify_base)
         return steps * f * (1 - h) + m * h + ((1 - f) if self.reuse else 1.0) * (1 - h) * c + h * c
 
     def _choose(self, request, k: int) -> tuple[str, str | None, int, list[int] | None]:
@@ -341,7 +348,7 @@ class SpeculativeDecoding:
                 if n < 1 or not toks:
                     continue
                 key, max_m = f"{src}/{n}", len(toks)
-                cost = lambda m: verify_cost(m + 1, self.verify_cost)  # noqa: E731
+                cost = lambda m: verify_cost(m + 1, self.verify_cost, self.verify_base)  # noqa: E731
             if not self.adaptive:
                 return src, key, max_m, toks
             m, gain = st.policy.best_length(key, max_m, cost)
@@ -488,11 +495,12 @@ class SpeculativeOptions:
     adaptive: Optional[bool] = None
     suffix_tokens: Optional[int] = None
     verify_cost: Optional[float] = None
+    verify_base: Optional[float] = None
 
 
 LAYERS_ONLY = ("draft_layers", "threshold", "reuse", "laser")  # options of the shallow-path draft
 LOOKUP_OPTIONS = ("max_ngram", "min_match")
-DRAFT_OPTIONS = ("draft", "max_ngram", "min_match", "adaptive", "suffix_tokens", "verify_cost")
+DRAFT_OPTIONS = ("draft", "max_ngram", "min_match", "adaptive", "suffix_tokens", "verify_cost", "verify_base")
 OPTIONS = tuple(f.name for f in fields(SpeculativeOptions))
 
 
@@ -538,7 +546,7 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
 
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH][,draft=ngram+suffix+layers,max_ngram=3,
-    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.5]`` -> :class:`SpeculativeDecoding`.
+    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36,verify_base=0.34]`` -> :class:`SpeculativeDecoding`.
 
     ``draft`` names the draft sources (module docstring); the shallow-path options (``draft_layers``,
     ``threshold``, ``reuse``, ``laser``, ``auto``) need ``layers`` among them, ``max_ngram`` / ``min_match`` a
