@@ -35,14 +35,14 @@ COPY_PROMPT = f"Text: {PASSAGE}\nRepeat the text exactly.\nText: The Valkyria Ch
 def test_ngram_index_finds_the_longest_most_recent_match():
     idx = NgramIndex(3, [1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3])
     assert idx.lookup(3) == (2, [7, 5, 2])  # "2 3" last seen before at 5..6 -> 7 5 2 ...
-    assert idx.lookup(9) == (2, [7, 5, 2, 3])  # ... cut at the sequence end
+    assert idx.lookup(9) == (2, [7, 5, 2, 3, 7, 5, 2, 3, 7])  # ... repeated past the sequence end
     idx.extend([4])
     assert idx.lookup(4) == (0, [])  # 4 never seen
     idx = NgramIndex(3, [5, 6, 7, 1, 6, 7])
     assert idx.lookup(2) == (2, [1, 6])
     assert idx.lookup(2, min_match=3) == (0, [])
     idx = NgramIndex(2, [8, 8, 8])
-    assert idx.lookup(5) == (2, [8])  # overlapping self-match: the continuation stops at the end
+    assert idx.lookup(5) == (2, [8] * 5)  # overlapping self-match: the period-1 pattern repeats
 
 
 def test_suffix_cache_never_grows_past_its_bound():

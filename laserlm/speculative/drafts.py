@@ -130,14 +130,19 @@ class NgramIndex:
 
     def lookup(self, k: int, min_match: int = 1) -> tuple[int, list[int]]:
         """The longest match (``n`` from ``max_ngram`` down to ``min_match``) of the sequence's last ``n``
-        tokens at an earlier position, and up to ``k`` tokens that followed it; ``(0, [])`` when none."""
+        tokens at an earlier position, and the ``k`` tokens that followed it; ``(0, [])`` when none. A
+        continuation that runs into the end of the sequence goes on as a repeat of the period it found
+        (the most recent match of a repeating pattern ends ``p`` tokens back: the draft repeats those ``p``)."""
         self._update()
         toks = self.tokens
         t = len(toks)
         for n in range(min(self.max_ngram, t - 1), min_match - 1, -1):
             e = self._maps[n - 1].get(tuple(toks[t - n:]))
             if e is not None:
-                return n, toks[e + 1:e + 1 + k]
+                out = toks[e + 1:e + 1 + k]
+                while len(out) < k:  # the continuation reaches the end: the pattern repeats (LZ77-style overlap)
+                    out.append(out[len(out) - (t - e - 1)])
+                return n, out
         return 0, []
 
 
