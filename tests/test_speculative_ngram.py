@@ -276,3 +276,16 @@ def test_smollm2_eos_stop_and_max_tokens_inside_accepted_block(smol):
         assert res.token_ids == toks[:n] and res.finish_reason == "length"
         r = generate_tokens(smol.engine, mode, ids, SamplingParams(max_new_tokens=n, ignore_eos=True), n)
         assert len(list(r)) == n and r.request.cache.length <= ids.shape[0] + n
+
+
+def test_verify_cost_auto_fits_the_measured_curve(one_thread):
+    engine = Engine(tiny_model(vocab=64), max_seq_len=128)
+    mode = make_mode("speculative:draft=ngram,verify_cost=auto", engine)
+    fit = mode.verify_fit
+    assert set(fit) == {"verify_cost", "verify_base", "measured"} and fit["measured"][1] == 1.0
+    assert 0 <= mode.verify_cost == fit["verify_cost"] <= 16 and 0 <= mode.verify_base == fit["verify_base"] <= 16
+    run = generate_tokens(engine, mode, torch.tensor([3, 17, 42, 3, 17]), SamplingParams(max_new_tokens=6), 6)
+    list(run)
+    assert run.summary()["speculative"]["verify_fit"] == fit
+    with pytest.raises(InvalidArgumentError, match="verify_cost=auto fits verify_base too"):
+        make_mode("speculative:draft=ngram,verify_cost=auto,verify_base=0.3", engine)

@@ -122,6 +122,43 @@ def measure_costs(engine, max_verify: int, exit_head, repeats: int = 3) -> dict:
     return {"layer_s": layer, "head_s": min(times)}
 
 
+def fit_verify_cost(engine, widths=(1, 2, 3, 5, 9, 17), repeats: int = 3, context: int = 64) -> dict:
+    """Measure the relative cost ``c(w)`` of a full-depth forward over ``w`` positions (``c(1) = 1``) in this
+    engine on this machine and fit the lookup drafts' cost model ``c(w) = 1 + b + a log2(w)`` (``w >= 2``) by
+    least squares (``a, b`` clipped to ``[0, 16]``). Medians of ``repeats`` runs after a ``context``-token prompt
+    in a scratch cache.
+
+    Returns ``{"verify_cost": a, "verify_base": b, "measured": {w: c(w)}}``.
+    """
+    import math  # noqa: PLC0415
+    import statistics  # noqa: PLC0415
+
+    cache = engine.new_cache(context + max(widths) + 1)
+    with torch.inference_mode():
+        engine.prefill(torch.zeros(1, context, dtype=torch.long), cache=cache)
+        secs = {}
+        for w in widths:
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                h, state = engine.begin(torch.zeros(1, w, dtype=torch.long), start=context, cache=cache)
+                h = engine.run_layers(0, engine.num_layers, h, state)
+                engine.commit(state)
+                engine.head(h)
+                times.append(time.perf_counter() - t0)
+                engine.truncate(context, cache=cache)
+            secs[w] = statistics.median(times[1:])
+    rel = {w: secs[w] / secs[widths[0]] for w in widths}
+    pts = [(math.log2(w), rel[w] - 1.0) for w in widths if w >= 2]
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    var = sum((x - mx) ** 2 for x, _ in pts)
+    a = sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
+    a = min(max(a, 0.0), 16.0)
+    b = min(max(my - a * mx, 0.0), 16.0)
+    return {"verify_cost": round(a, 4), "verify_base": round(b, 4), "measured": {w: round(v, 3) for w, v in rel.items()}}
+
+
 def simulate(agree, conf, n_draft: int, n_layers: int, k: int, threshold: float, costs: dict,
              reuse: bool = True) -> dict:
     """Replay greedy speculative cycles over one trace (``agree``/``conf`` ``[G]`` at depth ``n_draft``);

@@ -251,6 +251,7 @@ class SpeculativeDecoding:
         self.ngram = ngram
         self.suffix_cache = SuffixCache(suffix_tokens, max_ngram) if "suffix" in sources else None
         self.calibration: dict | None = None  # filled by the auto calibration
+        self.verify_fit: dict | None = None  # filled by verify_cost=auto
 
     def config(self) -> dict:
         out = {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
@@ -361,6 +362,8 @@ class SpeculativeDecoding:
         out = {**self.config(), **request.state.summary()}
         if self.calibration is not None:
             out["calibration"] = self.calibration
+        if self.verify_fit is not None:
+            out["verify_fit"] = self.verify_fit
         return {"speculative": out}
 
     @torch.inference_mode()
@@ -494,7 +497,7 @@ class SpeculativeOptions:
     min_match: Optional[int] = None
     adaptive: Optional[bool] = None
     suffix_tokens: Optional[int] = None
-    verify_cost: Optional[float] = None
+    verify_cost: Optional[Union[float, Literal["auto"]]] = None
     verify_base: Optional[float] = None
 
 
@@ -546,7 +549,13 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
 
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH][,draft=ngram+suffix+layers,max_ngram=3,
-    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36,verify_base=0.34]`` -> :class:`SpeculativeDecoding`.
+    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34]`` -> :class:`SpeculativeDecoding`.
+
+    ``verify_cost=auto`` measures the verify cost curve of this engine on this machine (about a second on
+    smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`) and fits ``verify_cost`` and
+    ``verify_base`` to it (reported as ``verify_fit`` in the stats). The measurement is timing, so two
+    processes may fit slightly different costs and take different drafts (greedy output is the same; seeded
+    sampling then draws other, equally distributed, tokens).
 
     ``draft`` names the draft sources (module docstring); the shallow-path options (``draft_layers``,
     ``threshold``, ``reuse``, ``laser``, ``auto``) need ``layers`` among them, ``max_ngram`` / ``min_match`` a
@@ -603,7 +612,20 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         SpeculativeDecoding(engine.num_layers, **kwargs)  # validate the numbers before reading the file
         kwargs["draft_layers"], kwargs["exit_head"], kwargs["exit_head_name"] = laser_exit_head(
             engine, o.laser, kwargs.get("draft_layers"))
+    verify_fit = None
+    if o.verify_cost == "auto":
+        if o.verify_base is not None:
+            raise InvalidArgumentError("verify_cost=auto fits verify_base too: give verify_base only with a "
+                                       "numeric verify_cost")
+        kwargs.pop("verify_cost")
+        SpeculativeDecoding(engine.num_layers, **kwargs)  # validate the rest before measuring
+        from .calibration import fit_verify_cost  # noqa: PLC0415
+
+        verify_fit = fit_verify_cost(engine)
+        kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
+        draft_kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
+    mode.verify_fit = verify_fit
     if auto:
         from .calibration import calibrate  # noqa: PLC0415
 
@@ -614,6 +636,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
                                    threshold=best["threshold"], reuse=mode.reuse, exit_head=mode.exit_head,
                                    exit_head_name=mode.exit_head_name, **draft_kwargs)
         mode.calibration = report
+        mode.verify_fit = verify_fit
     return mode
 
 
