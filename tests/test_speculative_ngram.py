@@ -75,6 +75,13 @@ def test_suffix_cache_drafts_from_earlier_requests_only():
     assert cache.lookup([1, 2], 3, exclude="me") == (2, [3, 4, 5])
 
 
+def test_table_cost_interpolates_and_extrapolates():
+    from laserlm.speculative.drafts import table_cost
+
+    table = {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}
+    assert [table_cost(w, table) for w in (1, 2, 3, 8, 12)] == [1.0, 1.5, 2.0, 4.5, 6.5]
+
+
 def test_policy_drafts_longer_with_high_acceptance_and_not_at_all_with_low():
     pol = DraftPolicy()
     cost = lambda m: verify_cost(m + 1)  # noqa: E731
@@ -287,5 +294,6 @@ def test_verify_cost_auto_fits_the_measured_curve(one_thread):
     run = generate_tokens(engine, mode, torch.tensor([3, 17, 42, 3, 17]), SamplingParams(max_new_tokens=6), 6)
     list(run)
     assert run.summary()["speculative"]["verify_fit"] == fit
+    assert mode._verify_cost(1) == 1.0 and mode._verify_cost(2) == fit["measured"][2]
     with pytest.raises(InvalidArgumentError, match="verify_cost=auto fits verify_base too"):
         make_mode("speculative:draft=ngram,verify_cost=auto,verify_base=0.3", engine)

@@ -128,7 +128,8 @@ def fit_verify_cost(engine, widths=(1, 2, 3, 5, 9, 17), repeats: int = 3, contex
     least squares (``a, b`` clipped to ``[0, 16]``). Medians of ``repeats`` runs after a ``context``-token prompt
     in a scratch cache.
 
-    Returns ``{"verify_cost": a, "verify_base": b, "measured": {w: c(w)}}``.
+    Returns ``{"verify_cost": a, "verify_base": b, "measured": {w: c(w)}}`` (the speculative mode interpolates
+    ``measured``; the fit summarises it, and is poor where the curve is linear in ``w``, e.g. packed weights).
     """
     import math  # noqa: PLC0415
     import statistics  # noqa: PLC0415

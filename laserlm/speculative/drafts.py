@@ -237,6 +237,19 @@ def verify_cost(width: int, a: float = DEFAULT_VERIFY_COST, base: float = DEFAUL
     return 1.0 + base + a * math.log2(width)
 
 
+def table_cost(width: int, table: dict) -> float:
+    """Relative cost of a ``width``-position forward from a measured table ``{w: c(w)}`` (``c(1) = 1``):
+    linear interpolation between measured widths, linear extrapolation past the widest one."""
+    ws = sorted(int(w) for w in table)
+    if width <= ws[0]:
+        return float(table[ws[0]])
+    for lo, hi in zip(ws, ws[1:]):
+        if width <= hi:
+            return float(table[lo] + (table[hi] - table[lo]) * (width - lo) / (hi - lo))
+    lo, hi = ws[-2], ws[-1]
+    return float(table[hi] + (table[hi] - table[lo]) * (width - hi) / (hi - lo))
+
+
 def expected_tokens(alpha: float, m: int) -> float:
     """Expected tokens emitted by a cycle of ``m`` drafts with i.i.d. acceptance ``alpha`` (incl. the
     correction/bonus token): ``sum_{i<=m} alpha^i`` (Leviathan et al. 2023, eq. 1)."""
@@ -292,4 +305,4 @@ class DraftPolicy:
 __all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS", "DEFAULT_VERIFY_BASE",
            "DEFAULT_VERIFY_COST", "DraftPolicy",
            "MAX_NGRAM", "NgramIndex", "SOURCES", "SuffixCache", "check_ngram", "expected_tokens", "parse_draft",
-           "verify_cost"]
+           "table_cost", "verify_cost"]

@@ -75,7 +75,8 @@ from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
 from .drafts import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS, DEFAULT_VERIFY_BASE,
-                     DEFAULT_VERIFY_COST, DraftPolicy, NgramIndex, SuffixCache, check_ngram, parse_draft, verify_cost)
+                     DEFAULT_VERIFY_COST, DraftPolicy, NgramIndex, SuffixCache, check_ngram, parse_draft, table_cost,
+                     verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -317,12 +318,19 @@ class SpeculativeDecoding:
                                 "source": source}))
         return out
 
+    def _verify_cost(self, width: int) -> float:
+        """Relative cost of a ``width``-position verify: the measured table of ``verify_cost=auto`` when there
+        is one (interpolated), else ``1 + verify_base + verify_cost * log2(width)``."""
+        if self.verify_fit is not None:
+            return table_cost(width, self.verify_fit["measured"])
+        return verify_cost(width, self.verify_cost, self.verify_base)
+
     def _layers_cost(self, st, m: int) -> float:
         """Relative cost (a plain full-depth step = 1) of drafting ``m`` tokens with the shallow path and
         verifying ``m + 1`` positions."""
         h, f = st.head_fraction, self.draft_layers / self.num_layers
         steps = m + 1 if self.reuse else m
-        c = verify_cost(m + 1, self.verify_cost, self.verify_base)
+        c = self._verify_cost(m + 1)
         return steps * f * (1 - h) + m * h + ((1 - f) if self.reuse else 1.0) * (1 - h) * c + h * c
 
     def _choose(self, request, k: int) -> tuple[str, str | None, int, list[int] | None]:
@@ -349,7 +357,7 @@ class SpeculativeDecoding:
                 if n < 1 or not toks:
                     continue
                 key, max_m = f"{src}/{n}", len(toks)
-                cost = lambda m: verify_cost(m + 1, self.verify_cost, self.verify_base)  # noqa: E731
+                cost = lambda m: self._verify_cost(m + 1)  # noqa: E731
             if not self.adaptive:
                 return src, key, max_m, toks
             m, gain = st.policy.best_length(key, max_m, cost)
@@ -552,8 +560,9 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34]`` -> :class:`SpeculativeDecoding`.
 
     ``verify_cost=auto`` measures the verify cost curve of this engine on this machine (about a second on
-    smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`) and fits ``verify_cost`` and
-    ``verify_base`` to it (reported as ``verify_fit`` in the stats). The measurement is timing, so two
+    smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`); the policy then interpolates the
+    measured table (``verify_fit["measured"]``, reported in the stats with the fitted ``verify_cost`` and
+    ``verify_base``). The measurement is timing, so two
     processes may fit slightly different costs and take different drafts (greedy output is the same; seeded
     sampling then draws other, equally distributed, tokens).
 
