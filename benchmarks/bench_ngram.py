@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6, help="prompts per class")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--weights", default="fp32", help="fp32 (dense float32, as transformers) or native (packed GGUF)")
     ap.add_argument("--specs", nargs="+", default=["speculative:draft=ngram", "speculative:draft=ngram+suffix"])
     ap.add_argument("--hf-lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens (0: skip)")
     ap.add_argument("--classes", nargs="+", default=None)
@@ -118,7 +119,8 @@ def main() -> None:
     from laserlm.runtime.generate import encode_prompt  # noqa: PLC0415
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    lm = laserlm.load(args.model, dtype="float32")
+    lm = (laserlm.load(args.model, dtype="float32") if args.weights == "fp32"
+          else laserlm.load(args.model, weights=args.weights))
     hf = None
     if args.hf_lookup:
         hf = AutoModelForCausalLM.from_pretrained(lm.loaded.path, dtype=torch.float32,
