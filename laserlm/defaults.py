@@ -70,6 +70,12 @@ SPECULATIVE_FILE = "speculative.json"
 # default-size calibration on 2 idle cores: smollm2 measured ~6 min on Zen 4 (AVX512-BF16), ~13.5 min on Zen 3
 # (float32 head training); gemma3 estimated
 BUILD_MINUTES = {"smollm2-135m": 6, "gemma3-270m": 12}
+# the calibration text of the adaptive default: the model's own greedy answers to chat prompts drawn from these
+# dev/valid files under the data directory (laserlm.training.chat_text; the shipped prompts stay held out)
+CHAT_PROMPT_SOURCES = ("arc/ARC-Easy-Dev.jsonl", "arc/ARC-Challenge-Dev.jsonl", "piqa/valid.jsonl")
+# the default's recipe, part of its cache key: "chat-v1" = CalibrateConfig(source="chat", seq_len=128) at
+# otherwise default settings (the earlier default calibrated on WikiText-2 valid and had no recipe in its key)
+ADAPTIVE_RECIPE = "chat-v1"
 
 __all__ = ["ADAPTIVE_PASS_THROUGH", "ADAPTIVE_RULE_OPTIONS", "SPECULATIVE_PASS_THROUGH", "SPECULATIVE_RULE_OPTIONS",
            "adaptive_artifact_path", "adaptive_default", "build_lock", "bundled_name", "check_before_load",
@@ -212,30 +218,34 @@ def _laser_format_version():
     return FORMAT_VERSION
 
 
-def calibration_data_key(data=None) -> str:
-    """The calibration text ``data`` (``None``: WikiText-2 valid of the default data directory) as part of a cache
-    key: a file's content hash, a dataset's name.
+def calibration_data_key(data=None, source: str = "chat") -> str:
+    """The calibration text as part of a cache key. ``source="chat"`` (the default's): the content hashes of the
+    prompt files :data:`CHAT_PROMPT_SOURCES` under the data directory ``data`` (``None``: the default one);
+    ``source="text"``: the text ``data`` (``None``: WikiText-2 valid), a file's content hash or a dataset's name.
 
     Raises:
-        DataFileError: the text is not found (the message names ``$LASERLM_DATA``).
+        DataFileError: the text / prompt files are not found (the message names ``$LASERLM_DATA``).
     """
     from .data import resolve  # noqa: PLC0415
 
-    return _data_key(resolve(data, "wikitext-2/valid.txt", what="calibration text for the calibrated adaptive default",
-                             default_split="validation"))
+    what = "calibration text for the calibrated adaptive default"
+    if source == "chat":
+        return "chat:" + ",".join(_data_key(resolve(data, rel, what=what)) for rel in CHAT_PROMPT_SOURCES)
+    return _data_key(resolve(data, "wikitext-2/valid.txt", what=what, default_split="validation"))
 
 
 def adaptive_artifact_path(engine, settings: dict | None = None, data=None) -> Path:
     """Where the calibrated adaptive artifact of ``engine``'s model is cached (it need not exist yet): keyed by the
-    model, its GGUF file, weight format, dtype, the calibration ``settings`` (``None``: ``laserlm calibrate``'s
-    defaults; a dict: :meth:`~laserlm.training.pipeline.CalibrateConfig.to_dict` of other settings), the
-    calibration text and the laser-file format.
+    model, its GGUF file, weight format, dtype, the calibration ``settings`` (``None``: the default's recipe
+    :data:`ADAPTIVE_RECIPE`; a dict: :meth:`~laserlm.training.pipeline.CalibrateConfig.to_dict` of other
+    settings), the calibration text (:func:`calibration_data_key`) and the laser-file format.
 
     Raises:
         DataFileError: the calibration text is not found.
     """
-    key = {**_model_key(engine), "calibrate": "defaults" if settings is None else settings,
-           "data": calibration_data_key(data), "laser_format": _laser_format_version()}
+    source = "chat" if settings is None else settings.get("source", "text")
+    key = {**_model_key(engine), "calibrate": ADAPTIVE_RECIPE if settings is None else settings,
+           "data": calibration_data_key(data, source), "laser_format": _laser_format_version()}
     return _entry_dir(engine, "adaptive", key) / ADAPTIVE_FILE
 
 

@@ -203,6 +203,80 @@ def test_bundled_speculative_tunes_once_and_stays_lossless(smol, tmp_path, monke
                          ignore_eos=True).token_ids == full
 
 
+# -- the default's calibration text: the model's own greedy answers to chat prompts ------------------------
+def test_chat_questions_come_from_dev_files_and_keep_the_shipped_prompts_out(tmp_path):
+    from laserlm.data import find_data_root
+    from laserlm.evaluation.tasks import load_prompts
+    from laserlm.training.chat_text import chat_questions
+
+    root = find_data_root()
+    shipped = load_prompts()
+    qs = chat_questions(root)
+    assert len(qs) > 1000 and len(set(qs)) > 0.9 * len(qs)
+    assert qs == chat_questions(root)  # a fixed order
+    arc_stem = json.loads((root / defaults.CHAT_PROMPT_SOURCES[0]).read_text().splitlines()[0])["question"]["stem"]
+    assert arc_stem in qs
+    assert not {q.lower() for q in qs} & {p.lower() for p in shipped}
+    # a shipped prompt planted in a prompt file is dropped
+    for rel in defaults.CHAT_PROMPT_SOURCES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((root / rel).read_text())
+    arc = tmp_path / defaults.CHAT_PROMPT_SOURCES[0]
+    arc.write_text(json.dumps({"question": {"stem": shipped[0]}}) + "\n" + arc.read_text())
+    planted = chat_questions(tmp_path, held_out=shipped)
+    assert shipped[0] not in planted and len(planted) == len(qs)
+
+
+def test_chat_token_stream_is_prompt_plus_the_models_greedy_answer(smol):
+    from laserlm.data import find_data_root
+    from laserlm.runtime.generate import encode_prompt
+    from laserlm.training.chat_text import chat_questions, chat_token_stream
+
+    seq_len = 80  # prompts of at most 40 tokens (the SmolLM2 template's system prompt alone is ~30)
+    tokens, counted, report = chat_token_stream(smol.engine, 3, seq_len, find_data_root(), batch=2, progress=False)
+    assert tokens.shape == counted.shape == (3 * seq_len,) and report["records"] == 3
+    assert report["counted_positions"] == int(counted.sum())
+    firsts = {tuple(encode_prompt(smol.tokenizer, q, True, 2048).tolist()): q for q in chat_questions(find_data_root())}
+    for r in range(3):
+        rec, cnt = tokens[r * seq_len:(r + 1) * seq_len].tolist(), counted[r * seq_len:(r + 1) * seq_len].tolist()
+        p = cnt.index(True) + 1  # the first counted position predicts the first answer token
+        assert all(cnt[p - 1:seq_len - 1]) and not any(cnt[:p - 1]) and not cnt[-1]
+        q = firsts[tuple(rec[:p])]  # the record opens with a chat-formatted dev question
+        ref = smol.generate(q, chat=True, max_new_tokens=seq_len - p, ignore_eos=True).token_ids
+        assert sum(a == b for a, b in zip(rec[p:], ref)) >= 0.9 * len(ref), (q, rec[p:], ref)
+
+
+def test_a_chat_calibration_counts_only_the_answer_positions(smol, tmp_path):
+    from laserlm.training.pipeline import calibrate
+
+    cfg = _small_calibration()
+    cfg.source, cfg.seq_len = "chat", 96
+    cfg.train_tokens, cfg.gate_tokens, cfg.calib_tokens, cfg.eval_tokens = 192, 96, 192, 192
+    summary = calibrate(smol, cfg.validate(), tmp_path / "chat.laser.safetensors", progress=False)
+    text = summary["text"]
+    assert text["source"] == "chat" and text["seq_len"] == 96 and text["records"] == 8  # ceil((7 chunks * 96 + 1) / 96)
+    # the held-out split is 2 chunks = 2 conversations; only their answer positions are measured
+    held = summary["held_out"]["positions"]
+    assert 2 * 48 <= held < summary["splits_tokens"]["held_out"] == 192
+    assert summary["calibration"]["n"] < summary["splits_tokens"]["calibration"]
+    assert (tmp_path / "chat.laser.safetensors.work" / "chat_text.pt").is_file()
+
+
+def test_the_default_recipe_is_chat_text_and_part_of_the_cache_key(smol):
+    from laserlm.training.defaults import default_calibrate_config
+
+    cfg = default_calibrate_config()
+    assert cfg.source == "chat" and cfg.seq_len == 128 and cfg.target_agreement == 0.99 and cfg.bridge == "propagate"
+    key = defaults.calibration_data_key()
+    assert key.startswith("chat:") and all(rel.split("/")[-1] in key for rel in defaults.CHAT_PROMPT_SOURCES)
+    assert defaults.calibration_data_key(source="text").startswith("file:valid.txt")
+    # the WikiText-2 build of the same settings is another cache entry
+    text_cfg = default_calibrate_config()
+    text_cfg.source = "text"
+    assert (defaults.adaptive_artifact_path(smol.engine)
+            != defaults.adaptive_artifact_path(smol.engine, text_cfg.to_dict()))
+
+
 # -- the real default (6 minutes on 2 cores) --------------------------------------------------------------
 @pytest.mark.slow
 def test_bare_adaptive_meets_its_target_on_the_shipped_prompts(tmp_path, monkeypatch):

@@ -88,6 +88,10 @@ def add_parser(subparsers) -> None:
                         "e.g. hf:wikitext:wikitext-2-raw-v1 (split validation unless named; needs the datasets "
                         "package). Default: wikitext-2/valid.txt under $LASERLM_DATA, else ../shared/data next to "
                         "a source checkout")
+    p.add_argument("--source", choices=["text", "chat"], default="text",
+                   help="text: calibrate on the --data text (default); chat: on the model's own greedy answers to "
+                        "chat prompts from ARC/PIQA dev files of the data directory (--data DIR), counting only "
+                        "the answer positions (what bare --mode adaptive uses, with --seq-len 128)")
     p.add_argument("--groups", default=None, help="layer groups: size '5', ends '8/16/30' or ranges (default: 5)")
     p.add_argument("--min-depth", type=_positive(int, "--min-depth", True), default=None,
                    help="earliest exit in layers (default: a quarter of the layers)")
@@ -147,7 +151,7 @@ def config_from_args(args):
     if target is None and args.max_ppl_increase is None:
         target = 0.99
     return CalibrateConfig(
-        data=args.data, groups=args.groups, min_depth=args.min_depth, seq_len=args.seq_len,
+        data=args.data, source=args.source, groups=args.groups, min_depth=args.min_depth, seq_len=args.seq_len,
         train_tokens=args.train_tokens, gate_tokens=args.gate_tokens, calib_tokens=args.calib_tokens,
         eval_tokens=args.eval_tokens, adapter=args.adapter, rank=args.rank, use_ats=not args.no_ats,
         gate_features=args.gate_features, bridge=args.bridge,

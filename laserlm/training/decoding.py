@@ -59,15 +59,19 @@ class PropagateDecoding:
         batch: sequences decoded side by side.
         cache_file: optional path memoising decoded results per threshold (the pipeline's work directory), so
             that another target with the same trained modules re-decodes only thresholds not seen before.
+        count: optional ``[N]`` bool, the positions whose losses are returned (and ``last_layers`` kept); the
+            others still decode (they are context), e.g. the prompt positions of chat calibration text.
     """
 
     def __init__(self, engine, groups, heads: dict, gates: dict, ats_layer, seqs, data: ExitStates,
-                 full_nll: torch.Tensor, kind: str, batch: int = 32, progress: bool = True, cache_file=None):
+                 full_nll: torch.Tensor, kind: str, batch: int = 32, progress: bool = True, cache_file=None,
+                 count: torch.Tensor | None = None):
         self.engine, self.groups, self.heads, self.gates, self.ats_layer = engine, groups, heads, gates, ats_layer
         self.seqs, self.full_top1, self.full_nll, self.kind = seqs, data.full_top1, full_nll, kind
         self.batch, self.progress = batch, progress
         self.last_layers = None
         self.cache_file = cache_file
+        self.count = count
         self._cache = torch.load(cache_file) if cache_file is not None and cache_file.is_file() else {}
 
     def mode(self, threshold: float) -> AdaptiveDepth:
@@ -97,13 +101,15 @@ class PropagateDecoding:
 
     def __call__(self, threshold: float):
         if threshold >= 1.0:  # gate probabilities never exceed 1: nobody exits, decoding is full depth
-            n = self.full_top1.shape[0]
+            n = self.full_top1.shape[0] if self.count is None else int(self.count.sum())
             self.last_layers = torch.full((n,), float(self.groups.num_layers))
             return torch.zeros(n, dtype=torch.float64), 0.0
         argmax, nll, layers = self.decode(threshold)
-        self.last_layers = layers
         if self.kind == "agreement":
             losses = (argmax != self.full_top1).double()
         else:
             losses = nll - self.full_nll.double()
+        if self.count is not None:
+            losses, layers = losses[self.count], layers[self.count]
+        self.last_layers = layers
         return losses, float((layers < self.groups.num_layers).double().mean())

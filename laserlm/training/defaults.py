@@ -19,10 +19,13 @@ from .pipeline import CalibrateConfig
 
 
 def default_calibrate_config(data=None) -> CalibrateConfig:
-    """The settings of the cached adaptive artifact: ``laserlm calibrate``'s defaults (target agreement 0.99 with
-    probability >= 0.9, ``propagate`` bridge, default split sizes). ``data``: the calibration text (``None``:
-    WikiText-2 valid of the default data directory)."""
-    return CalibrateConfig(data=data).validate()
+    """The settings of the cached adaptive artifact (recipe :data:`laserlm.defaults.ADAPTIVE_RECIPE`):
+    ``laserlm calibrate --source chat --seq-len 128``, i.e. ``laserlm calibrate``'s defaults (target agreement
+    0.99 with probability >= 0.9, ``propagate`` bridge, default split sizes) on the model's own greedy answers to
+    chat prompts, one 128-token conversation per chunk (:mod:`laserlm.training.chat_text`): the text bare
+    ``adaptive`` is used on, so that the certificate is about exchangeable positions. ``data``: the data
+    directory with the prompt files (``None``: the default one)."""
+    return CalibrateConfig(data=data, source="chat", seq_len=128).validate()
 
 
 def _float_engine(engine, progress: bool):

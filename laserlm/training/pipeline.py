@@ -8,6 +8,11 @@ unchanged and reruns the others (and the stages that read them).
 Data (WikiText-2 *valid* by default, never a test split) is cut into consecutive, disjoint splits of
 whole chunks: head training, gate training, threshold calibration, and a held-out evaluation split on
 which the run summary reports the measured agreement next to the certified bound.
+
+``source="chat"`` (the calibrated adaptive default of a bundled model, :mod:`laserlm.training.defaults`)
+replaces the text by the model's own greedy answers to chat prompts (:mod:`laserlm.training.chat_text`), one
+conversation per chunk; then only the positions that predict a generated token count for the thresholds and
+the held-out measurement (heads and gates train on all positions).
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from .train import (ExitOutputs, HeadTrainConfig, JointTrainConfig, compute_exit
 class CalibrateConfig:
     """Everything ``laserlm calibrate`` needs; defaults and their sources in the field comments."""
 
-    data: str | None = None            # text file (default WikiText-2 valid)
+    data: str | None = None            # text file (default WikiText-2 valid); source "chat": a data directory
+    source: str = "text"               # "text": the data text; "chat": the model's greedy answers to chat prompts
     groups: str | None = None          # layer groups spec (default: groups of 5, depth package)
     min_depth: int | None = None       # default a quarter of the layers (seed)
     seq_len: int = 256
@@ -89,6 +95,8 @@ class CalibrateConfig:
         if self.bridge not in ("propagate", "deferred"):
             raise InvalidArgumentError(f"thresholds can be calibrated for bridge 'propagate' or 'deferred', got "
                                        f"'{self.bridge}'")
+        if self.source not in ("text", "chat"):
+            raise InvalidArgumentError(f"calibration source must be 'text' or 'chat', got '{self.source}'")
         if self.router_prompts < 0:
             raise InvalidArgumentError(f"router prompts must be >= 0, got {self.router_prompts}")
         self.heads.validate()
@@ -117,6 +125,16 @@ def _tokens_hash(t: torch.Tensor) -> str:
 
 
 # -- the stages (plain functions of the run context; see laserlm.training.stages) ------------------------
+def _counted(ctx: dict, split: ExitStates) -> torch.Tensor | None:
+    """``[len(split)]`` bool: the positions of ``split`` that count for thresholds and the held-out measurement
+    (source ``chat``: those predicting a generated token); ``None``: all of them."""
+    counted = ctx.get("counted")
+    if counted is None:
+        return None
+    seq_len = ctx["cfg"].seq_len  # a split is whole chunks of seq_len positions, in order
+    return counted[split.chunk * seq_len + torch.arange(len(split)) % seq_len]
+
+
 def _set_states(ctx: dict, states: ExitStates) -> None:
     ctx["states"] = states
     total = sum(ctx["chunks"])
@@ -254,36 +272,41 @@ def _thresholds(ctx):
     t0 = time.perf_counter()
     stack = lambda d: torch.stack([d[e] for e in exits])  # noqa: E731
     kind = ctx["kind"] = "agreement" if cfg.target_agreement is not None else "ppl_increase"
-    g_probs = gate_probabilities(gates, ctx["gate_split"].hidden, g_out.scalars, exits)
+    all_pos = lambda n: torch.ones(n, dtype=torch.bool)  # noqa: E731
+    g_count, c_count, h_count = (m if (m := _counted(ctx, split)) is not None else all_pos(len(split))
+                                 for split in (ctx["gate_split"], calib, held))
+    g_probs = gate_probabilities(gates, ctx["gate_split"].hidden, g_out.scalars, exits)[:, g_count]
     ctx["h_probs"] = gate_probabilities(gates, held.hidden, after.scalars, exits)
+    ctx["h_count"] = h_count
     if cfg.bridge == "deferred":  # exact hidden states: replay the decisions on the collected states
-        c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)
-        cal = calibrate_threshold(c_probs, stack(c_out.agree), target_agreement=cfg.target_agreement,
-                                  max_ppl_increase=cfg.max_ppl_increase, nll=stack(c_out.nll),
-                                  full_nll=c_out.full_nll, delta=cfg.delta, method=cfg.p_value,
+        c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)[:, c_count]
+        cal = calibrate_threshold(c_probs, stack(c_out.agree)[:, c_count], target_agreement=cfg.target_agreement,
+                                  max_ppl_increase=cfg.max_ppl_increase, nll=stack(c_out.nll)[:, c_count],
+                                  full_nll=c_out.full_nll[c_count], delta=cfg.delta, method=cfg.p_value,
                                   candidates=candidate_thresholds(g_probs))
         ctx["calibrate_s"] = time.perf_counter() - t0
-        dec = exit_decisions(ctx["h_probs"], cal.threshold)
-        held_loss = position_losses(dec, stack(after.agree), stack(after.nll), after.full_nll, kind)
+        dec = exit_decisions(ctx["h_probs"][:, h_count], cal.threshold)
+        held_loss = position_losses(dec, stack(after.agree)[:, h_count], stack(after.nll)[:, h_count],
+                                    after.full_nll[h_count], kind)
         layers = torch.tensor(exits + [L], dtype=torch.float64)[dec]
     else:  # propagate: every candidate is tested by decoding the calibration chunks with it
         target, method = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
         head_d, gate_d = {e: ctx["heads"][str(e)] for e in exits}, {e: gates[str(e)] for e in exits}
         progress = ctx["progress"]
 
-        def decoder(split, outputs, name):
+        def decoder(split, outputs, name, count):
             return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, gate_d, ctx["ats_layer"],
                                      chunk_sequences(ctx["tokens"], split, cfg.seq_len), split, outputs.full_nll, kind,
-                                     progress=progress, cache_file=ctx["work"] / f"propagate_{name}.pt")
+                                     progress=progress, cache_file=ctx["work"] / f"propagate_{name}.pt", count=count)
 
         def report(entry):
             _say(f"threshold {entry['threshold']:.4f}: risk {entry['risk']:.4f}, p-value {entry['p_value']:.3g}, "
                  f"{entry['exit_fraction']:.1%} of tokens exit", progress)
 
-        cal = fixed_sequence_test(grid_thresholds(g_probs), decoder(calib, c_out, "calib"), target, cfg.delta, method,
+        cal = fixed_sequence_test(grid_thresholds(g_probs), decoder(calib, c_out, "calib", c_count), target, cfg.delta, method,
                                   on_test=report)
         ctx["calibrate_s"] = time.perf_counter() - t0
-        held_dec = decoder(held, after, "held")
+        held_dec = decoder(held, after, "held", h_count)
         held_loss, _ = held_dec(cal.threshold if cal.threshold is not None else 1.0)
         layers = held_dec.last_layers.double()
         dec = torch.tensor([exits.index(int(x)) if int(x) in exits else len(exits) for x in layers])
@@ -321,6 +344,7 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
     before, after, h_probs, head_curve = ctx["before"], ctx["after"], ctx["h_probs"], ctx["head_curve"]
     cal, dec, held_loss, layers, kind = ctx["cal"], ctx["dec"], ctx["held_loss"], ctx["layers"], ctx["kind"]
     per_exit = []
+    h_count = ctx["h_count"]
     for i, e in enumerate(exits):
         per_exit.append({
             "exit_point": e,
@@ -328,15 +352,16 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
             "agreement_trained": round(float(after.agree[e].float().mean()), 4),
             "kl_untrained": round(float(before.kl[e].mean()), 4),
             "kl_trained": round(float(after.kl[e].mean()), 4),
-            "gate_auroc": round(auroc(h_probs[i], after.agree[e]), 4),
+            "gate_auroc": round(auroc(h_probs[i][h_count], after.agree[e][h_count]), 4),
             "exit_fraction": round(float((dec == i).double().mean()), 4),
         })
-    measured = {"positions": len(held), "bridge": cfg.bridge, "mean_layers": round(float(layers.mean()), 3),
+    n_held = int(held_loss.numel())  # the counted held-out positions
+    measured = {"positions": n_held, "bridge": cfg.bridge, "mean_layers": round(float(layers.mean()), 3),
                 "full_depth_fraction": round(float((dec == len(exits)).double().mean()), 4)}
     # where the losses fall: at exited tokens, or (propagate only) at full-depth tokens reading bridged K/V
     exited = dec < len(exits)
-    measured["loss_at_exited_tokens"] = round(float((held_loss * exited).sum()) / max(len(held), 1), 5)
-    measured["loss_at_full_depth_tokens"] = round(float((held_loss * ~exited).sum()) / max(len(held), 1), 5)
+    measured["loss_at_exited_tokens"] = round(float((held_loss * exited).sum()) / max(n_held, 1), 5)
+    measured["loss_at_full_depth_tokens"] = round(float((held_loss * ~exited).sum()) / max(n_held, 1), 5)
     if kind == "agreement":
         measured["agreement"] = round(1 - float(held_loss.mean()), 5)
         measured["target_met"] = bool(measured["agreement"] >= cfg.target_agreement)
@@ -351,11 +376,44 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
                           "held_out": len(held)},
         "calibration": {k: v for k, v in cal.to_dict().items() if k != "curve"},
         "held_out": measured, "per_exit": per_exit, "router": ctx["router_report"],
+        "text": ctx["text_report"],
         "head_kl_first_last": [head_curve[0], head_curve[-1]] if head_curve else None,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "settings": cfg.to_dict(),
     }
     return summary
+
+
+def _chat_tokens(lm, cfg: CalibrateConfig, n_tokens: int, work: Path, progress: bool):
+    """Source ``chat``: the stream of :func:`laserlm.training.chat_text.chat_token_stream`, generated once into
+    ``<work>/chat_text.pt`` (reused while the model, the recipe, the prompt files and the sizes are unchanged)."""
+    from ..data import data_root  # noqa: PLC0415
+    from ..defaults import CHAT_PROMPT_SOURCES, _file_digest  # noqa: PLC0415
+    from .chat_text import CHAT_TEXT_VERSION, chat_token_stream  # noqa: PLC0415
+
+    root = Path(cfg.data).expanduser() if cfg.data else data_root("--data", "data directory with the chat prompts")
+    if not root.is_dir():
+        raise InvalidArgumentError(f"--data {root}: source 'chat' takes a data directory (with "
+                                   f"{', '.join(CHAT_PROMPT_SOURCES)})")
+    n_records = -(-n_tokens // cfg.seq_len)
+    files = {rel: _file_digest(root / rel) if (root / rel).is_file() else None for rel in CHAT_PROMPT_SOURCES}
+    key = {"model": lm.loaded.identity, "dtype": str(lm.engine.dtype), "version": CHAT_TEXT_VERSION,
+           "records": n_records, "seq_len": cfg.seq_len, "files": files}
+    cache = work / "chat_text.pt"
+    if cache.is_file():
+        try:
+            saved = torch.load(cache)
+            if saved.get("key") == key:
+                _say(f"reusing the chat calibration text in {cache}", progress)
+                return saved["tokens"], saved["counted"], saved["report"]
+        except Exception:  # noqa: BLE001  (unreadable: generate again)
+            pass
+    t0 = time.perf_counter()
+    tokens, counted, report = chat_token_stream(lm.engine, n_records, cfg.seq_len, root, progress=progress)
+    report = {"source": "chat", **report, "generate_s": round(time.perf_counter() - t0, 1)}
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "tokens": tokens, "counted": counted, "report": report}, cache)
+    return tokens, counted, report
 
 
 def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: bool = True,
@@ -393,7 +451,11 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     chunks = [s // cfg.seq_len for s in sizes]
     n_tok = sum(chunks) * cfg.seq_len + 1
     router_tok = cfg.router_prompts * cfg.router_prompt_len
-    tokens = load_text_tokens(lm.tokenizer, cfg.data, max_tokens=n_tok + router_tok)
+    counted, text_report = None, {"source": "text"}
+    if cfg.source == "chat":
+        tokens, counted, text_report = _chat_tokens(lm, cfg, n_tok + router_tok, work, progress)
+    else:
+        tokens = load_text_tokens(lm.tokenizer, cfg.data, max_tokens=n_tok + router_tok)
     if tokens.shape[0] < n_tok + router_tok:
         raise InvalidArgumentError(f"the text has {tokens.shape[0]} tokens; this run needs {n_tok + router_tok} "
                                    "(lower the split sizes or give a longer --data file)")
@@ -401,7 +463,8 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     ctx = {"lm": lm, "engine": engine, "cfg": cfg, "groups": groups, "exits": exits, "L": L, "work": work,
            "progress": progress, "tokens": tokens, "chunks": chunks, "n_tok": n_tok, "router_tok": router_tok,
            "ats_layer": (exits[0] - 1) if cfg.use_ats else None, "teacher": engine.head,
-           "head_curve": [], "router": None, "router_report": None, "g_out": None}
+           "head_curve": [], "router": None, "router_report": None, "g_out": None, "counted": counted,
+           "text_report": text_report}
     runner = StageRunner(work, list(STAGES), resume=resume, say=lambda m: _say(m, progress))
     runner.run(ctx)
     sec = runner.seconds
