@@ -17,8 +17,8 @@ starts at position 0, as in real use. Only the positions that predict a generate
 those are the positions a generated answer is scored on; prompt positions (with a repeated system prompt that is
 trivially predictable) would dilute the risk. Heads and gates still train on every position.
 
-Generation runs on the calibration engine's transformers module with its KV cache, batching prompts of equal
-token length (no padding, so each row is the unbatched greedy output up to float reassociation).
+Generation runs on the calibration engine (full depth, its KV cache), batching prompts of equal token length (no
+padding, so each row is the unbatched greedy output up to float reassociation).
 """
 
 from __future__ import annotations
@@ -77,19 +77,19 @@ def chat_questions(root: Path, held_out=()) -> list[str]:
 
 
 @torch.inference_mode()
-def _greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` full-depth greedy tokens after each row of ``ids [B, P]`` (no stop token), with the KV cache."""
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)  # transformers 5.24: the KV cache is ``cache``
-    past, nxt = out.cache, out.logits[:, -1].argmax(-1)
+def _greedy(engine, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` full-depth greedy tokens after each row of ``ids [B, P]`` (no stop token), with the engine's KV cache
+    (the engine's own layer loop: ~10x faster here than calling the transformers module step by step)."""
+    cache = engine.new_cache(max_len=ids.shape[1] + n, batch_size=ids.shape[0])
+    nxt = engine.prefill(ids, cache=cache).logits[:, -1].argmax(-1)
     toks = [nxt]
     for _ in range(n - 1):
-        out = model(input_ids=nxt[:, None], cache=past, use_cache=True)
-        past, nxt = out.cache, out.logits[:, -1].argmax(-1)
+        nxt = engine.decode_step(nxt, cache=cache).logits[:, -1].argmax(-1)
         toks.append(nxt)
     return torch.stack(toks, 1)
 
 
-def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: int = 32,
+def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: int = 64,
                       progress: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(tokens [n_records * seq_len], counted [n_records * seq_len] bool, report)``: ``n_records`` records of a
     chat prompt and the model's greedy continuation (module docstring). ``counted[i]``: position ``i`` (which
@@ -125,7 +125,6 @@ def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: i
     if sum(map(len, batches)) < n_records:
         raise InvalidArgumentError(f"chat calibration needs {n_records} prompts of at most {max_prompt} tokens; "
                                    f"the sources give {n_seen} (lower the split sizes)")
-    model = engine.loaded.model
     records, counted = [], []
     bar = tqdm(total=n_records, desc="generate chat calibration text", unit="answer", disable=not progress)
     for rows in batches:
@@ -133,7 +132,7 @@ def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: i
         if not rows:
             break
         p = len(rows[0])
-        gen = _greedy(model, torch.tensor(rows), seq_len - p)
+        gen = _greedy(engine, torch.tensor(rows), seq_len - p)
         for r, g in zip(rows, gen.tolist()):
             records.append(r + g)
             mask = [False] * seq_len
