@@ -217,6 +217,8 @@ def test_chat_questions_come_from_dev_files_and_keep_the_shipped_prompts_out(tmp
     arc_stem = json.loads((root / defaults.CHAT_PROMPT_SOURCES[0]).read_text().splitlines()[0])["question"]["stem"]
     assert arc_stem in qs
     assert not {q.lower() for q in qs} & {p.lower() for p in shipped}
+    from laserlm.training.chat_text import shipped_prompts
+    assert shipped_prompts() == shipped
     # a shipped prompt planted in a prompt file is dropped
     for rel in defaults.CHAT_PROMPT_SOURCES:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)

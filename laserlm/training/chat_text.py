@@ -76,6 +76,15 @@ def chat_questions(root: Path, held_out=()) -> list[str]:
     return out
 
 
+def shipped_prompts() -> list[str]:
+    """The shipped prompt set (``laserlm/evaluation/prompts.jsonl``, what
+    :func:`laserlm.evaluation.tasks.load_prompts` reads), read as package data: tools do not import each other."""
+    from importlib import resources  # noqa: PLC0415
+
+    text = resources.files("laserlm.evaluation").joinpath("prompts.jsonl").read_text(encoding="utf-8")
+    return [json.loads(ln)["prompt"] for ln in text.splitlines() if ln.strip()]
+
+
 @torch.inference_mode()
 def _greedy(engine, ids: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` full-depth greedy tokens after each row of ``ids [B, P]`` (no stop token), with the engine's KV cache
@@ -99,7 +108,6 @@ def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: i
         InvalidArgumentError: too few usable questions, or ``seq_len`` too short for the prompts.
         DataFileError: a prompt source is missing.
     """
-    from ..evaluation.tasks import load_prompts  # noqa: PLC0415
     from ..runtime.generate import encode_prompt  # noqa: PLC0415
 
     tok = engine.tokenizer
@@ -108,7 +116,7 @@ def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: i
     buckets: dict[int, list[list[int]]] = {}
     batches: list[list[list[int]]] = []
     n_seen = 0
-    for q in chat_questions(root, held_out=load_prompts()):
+    for q in chat_questions(root, held_out=shipped_prompts()):
         ids = encode_prompt(tok, q, chat, engine.max_seq_len).tolist()
         if len(ids) > max_prompt:
             continue

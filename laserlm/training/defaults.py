@@ -1,7 +1,8 @@
 """Build the calibrated adaptive default of a bundled model (see :mod:`laserlm.defaults` for the rule).
 
 ``laserlm generate --mode adaptive`` (and ``eval`` / ``bench`` configurations ``adaptive``) on a bundled model
-without a laser file use the artifact ``laserlm calibrate`` writes at its default settings. This module builds it
+without a laser file use the artifact ``laserlm calibrate --source chat --seq-len 128`` writes at otherwise default
+settings (:func:`default_calibrate_config`: the model's own greedy answers to chat prompts). This module builds it
 once into the cache (:func:`laserlm.defaults.adaptive_artifact_path`); the ``laserlm`` command installs
 :func:`build_adaptive_default` with :func:`laserlm.defaults.set_adaptive_builder`.
 """
