@@ -11,7 +11,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
+
+from .errors import InvalidArgumentError
 
 from .models.loader import LoadedModel, load_model
 from .modes import make_mode
@@ -145,6 +148,10 @@ class LaserLM:
         Raises:
             InvalidArgumentError: bad settings.
         """
+        known = [f.name for f in dataclasses.fields(BatchConfig)]
+        unknown = sorted(set(batch_options) - set(known))
+        if unknown:
+            raise InvalidArgumentError(f"unknown batch option(s) {', '.join(unknown)}; known: {', '.join(known)}")
         return Scheduler(self.engine, BatchConfig(kv_budget=kv_budget, **batch_options), self.eos_ids)
 
     def generate_batch(self, prompts, *, chat: bool = False, mode: str = "full", kv_budget=None,
@@ -166,10 +173,16 @@ class LaserLM:
             InvalidArgumentError, ContextLengthError: as :meth:`generate`, before anything runs.
             PoolFullError: a request that could never fit ``kv_budget``.
         """
+        if isinstance(prompts, (str, dict)) or not hasattr(prompts, "__iter__"):
+            raise InvalidArgumentError("prompts must be a list of texts or chat message lists "
+                                       "(use generate() for one prompt)")
         params = SamplingParams(**sampling).validate()
         m = self.mode(mode)
         ids = [encode_prompt(self.tokenizer, p, chat, self.engine.max_seq_len) for p in prompts]
-        sched = self.scheduler(kv_budget, **(batch_options or {}))
+        options = dict(batch_options or {})
+        if kv_budget is not None:
+            options["kv_budget"] = kv_budget
+        sched = self.scheduler(**options)
         tok = self.tokenizer
         stop_check = None
         if params.stop:
@@ -183,7 +196,8 @@ class LaserLM:
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         for i in pending:  # every request must fit before any runs
-            need = sched.reservation(ids[i].numel() + min(params.max_new_tokens, self.engine.max_seq_len - ids[i].numel()))
+            n = ids[i].numel()
+            need = sched.reservation(n + min(params.max_new_tokens, self.engine.max_seq_len - n), n, m)
             if need > sched.pool.num_pages:
                 sched.submit(ids[i], params, m, stop_check=stop_check)  # raises the budget error
         queue = list(range(len(ids)))
@@ -202,7 +216,9 @@ class LaserLM:
         for i, rid in enumerate(rids):
             seq = sched.get(rid)
             gen = Generation(tok, ids[i], _Replay(seq), params, self.eos_ids, self.engine.max_seq_len)
-            results.append(gen.run())
+            result = gen.run()
+            result.total_s = seq.t_finish - seq.t_submit  # the request's time in the scheduler, queue included
+            results.append(result)
         self.last_batch_summary = sched.summary()
         return results
 

@@ -130,7 +130,7 @@ def _read_prompts(path: str) -> list:
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
         raise LaserLMError(f"no prompts in {name}")
-    if not path.endswith(".jsonl"):
+    if not path.lower().endswith(".jsonl"):
         return lines
     prompts = []
     for i, ln in enumerate(lines, 1):

@@ -123,8 +123,8 @@ def test_eviction_lets_a_long_request_fit_a_small_budget():
     engine = tiny_llama()
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     with pytest.raises(PoolFullError, match="enable eviction"):
-        Scheduler(engine, BatchConfig(kv_budget="40t", page_size=4)).submit(torch.arange(10), params)
-    sched = Scheduler(engine, BatchConfig(kv_budget="40t", page_size=4, eviction="streaming:sinks=4,window=16"))
+        Scheduler(engine, BatchConfig(kv_budget="48t", page_size=4)).submit(torch.arange(10), params)
+    sched = Scheduler(engine, BatchConfig(kv_budget="48t", page_size=4, eviction="streaming:sinks=4,window=16"))
     rid = sched.submit(torch.arange(10), params)
     run_all(sched)
     assert len(sched.get(rid).events) == 60 and sched.pool.stats["evicted_pages"] > 0
@@ -228,3 +228,49 @@ def test_cli_batch_errors(tmp_path, capsys):
     assert "KV budget 'lots'" in run_cli(capsys, ["batch", str(good), "--kv-budget", "lots", "-n", "2"])
     assert "max_batch must be a positive integer" in run_cli(capsys, ["batch", str(good), "--max-batch", "0"])
     assert "temperature" in run_cli(capsys, ["batch", str(good), "--temperature", "-1"])
+
+
+def test_review_findings_are_refused_or_fixed(smol):
+    """Found by a review: each of these once broke the scheduler or answered with a raw traceback."""
+    engine = tiny_llama()
+    p = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    # eviction: admission reserves the pages a prefill chunk adds before the policy runs (it ran out before)
+    sched = Scheduler(engine, BatchConfig(kv_budget="160t", eviction="streaming:sinks=0,window=16", prefill_chunk=64,
+                                          prefix_cache=False))
+    rids = [sched.submit(torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(i)), p)
+            for i in range(2)]
+    run_all(sched)
+    assert all(len(sched.get(r).events) == 8 for r in rids) and sched.pool.used_pages == 0
+    # speculative decoding rolls positions back over evicted pages: refused under eviction
+    spec = make_mode("speculative:draft_layers=1,k=4", engine)
+    with pytest.raises(InvalidArgumentError, match="eviction does not combine with speculative"):
+        sched.submit(torch.arange(10), p, spec)
+    # token ids outside the vocabulary, floats, several prompts at once
+    for bad, words in [(torch.tensor([300, 5]), r"\[0, 256\)"), (torch.tensor([-1, 3]), r"\[0, 256\)"),
+                       (torch.tensor([1.5, 2.0]), "integers"), (torch.tensor([[1, 2], [3, 4]]), "one prompt")]:
+        with pytest.raises(InvalidArgumentError, match=words):
+            sched.submit(bad, p)
+    with pytest.raises(InvalidArgumentError, match="unknown request id"):
+        sched.get("nope")
+    # block-sparse attention: a clear refusal instead of a crash in its decode kernel
+    smol.set_attention("sparse")
+    try:
+        with pytest.raises(InvalidArgumentError, match="block-sparse attention does not run on the paged KV pool"):
+            smol.generate_batch(["Hello there"], max_new_tokens=2)
+    finally:
+        smol.set_attention("dense")
+    with pytest.raises(InvalidArgumentError, match="unknown batch option"):
+        smol.generate_batch(["Hello"], batch_options={"max_batchh": 2})
+    with pytest.raises(InvalidArgumentError, match="list of texts"):
+        smol.generate_batch("Hello", max_new_tokens=2)
+    with pytest.raises(InvalidArgumentError, match="compact_threshold"):
+        BatchConfig(compact_threshold="x").validate()
+    # a request's total time is its time in the scheduler (it was the replay's)
+    r = smol.generate_batch(["The capital of France is"], max_new_tokens=4, kv_budget="64MiB")[0]
+    assert r.total_s >= r.ttft_s > 0
+    # submit admits at once, so a burst is not refused while the pool is empty
+    burst = Scheduler(engine, BatchConfig(kv_budget="1MiB", max_queue=1))
+    ids = [burst.submit(torch.arange(5) + i, p) for i in range(4)]
+    assert len(burst.running) == 4 and not burst.waiting
+    run_all(burst)
+    assert burst.pop(ids[0]).status == "finished" and ids[0] not in burst.sequences

@@ -35,8 +35,8 @@ Full pages of a prompt are registered under ``(hash chain of the token ids of pa
 those pages (reference count + 1) instead of recomputing them; pages nobody references stay cached and are
 reused least-recently-released first when the free list is empty. A page written through a bridge depends on
 the exits taken, not only on the tokens, so only pages computed at full depth may be shared: the scheduler
-registers prompt pages only for modes whose prefill runs every layer (``mode.prefill_key == "full"``: full
-depth, adaptive depth, speculative), and the key includes that path key. Writing into a page that is shared
+registers prompt pages only for modes whose prefill runs every layer and can start after a shared prefix
+(``mode.prefill_key == "full"``: full depth and adaptive depth), and the key includes that path key. Writing into a page that is shared
 or registered copies it first (copy-on-write), so a cached page never changes.
 """
 
@@ -364,7 +364,10 @@ class PagedCache(CachePositions):
         for i in range(start // ps, min(math.ceil(end / ps), self.num_logical)):
             for layer in range(self.pool.num_layers):
                 p = int(self.table[layer, i])
-                if p and not self.pool.writable(p):
+                if not p:
+                    raise InvalidArgumentError(f"positions {start}..{end - 1} fall in a page evicted at layer {layer}: "
+                                               "an evicted position cannot be written again")
+                if not self.pool.writable(p):
                     self.table[layer, i] = self.pool.copy_page(p)
 
     def owned_pages(self) -> int:

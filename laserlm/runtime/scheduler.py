@@ -26,7 +26,10 @@ Each :meth:`Scheduler.step`
    pages at once (prompt pages stay in the prefix cache when registered).
 
 Every request's tokens are the tokens it gives when run alone (same mode, same seed), up to float rounding of
-batched matmuls (tested on the real model).
+batched matmuls (tested on the real model) — without eviction. Under eviction a token sees the kept pages plus the
+earlier tokens of its own forward, so the output depends on how the prompt was chunked (and the prefix cache is
+off). Eviction is refused with speculative decoding (a verify rolls back over pages the policy may have dropped),
+and the scheduler refuses block-sparse attention (its decode kernel expects a contiguous cache).
 """
 
 from __future__ import annotations
@@ -84,8 +87,14 @@ class BatchConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
-        if not 0.0 <= float(self.compact_threshold) <= 1.0:
-            raise InvalidArgumentError(f"compact_threshold must be in [0, 1], got {self.compact_threshold!r}")
+        t = self.compact_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= float(t) <= 1.0:
+            raise InvalidArgumentError(f"compact_threshold must be a number in [0, 1], got {t!r}")
+        if not isinstance(self.prefix_cache, bool):
+            raise InvalidArgumentError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
+        if self.eviction is not None and not isinstance(self.eviction, str) and not hasattr(self.eviction, "apply"):
+            raise InvalidArgumentError(f"eviction must be a policy spec such as 'streaming:window=256', got "
+                                       f"{self.eviction!r}")
         budget_amount(self.kv_budget)  # syntax (the page count needs the model)
         parse_eviction(self.eviction)
         return self
@@ -151,6 +160,9 @@ class Scheduler:
         if self.eviction is not None and engine.kernel is not None:
             raise InvalidArgumentError("KV eviction does not combine with block-sparse attention (use dense)")
         self.eos_ids = frozenset(int(i) for i in eos_ids)
+        # under eviction a prompt's kept pages depend on how it was chunked, so a shared prefix would not give the
+        # cold run's logits: the prefix cache is off then
+        self._prefix_cache = self.config.prefix_cache and self.eviction is None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}
@@ -159,12 +171,26 @@ class Scheduler:
                       "prefill_chunks": 0, "prefix_hit_tokens": 0}
 
     # -- submission ------------------------------------------------------------------------------
-    def reservation(self, positions: int) -> int:
-        """Pages a request of ``positions`` positions may hold (its admission reservation)."""
+    def reservation(self, positions: int, prompt_tokens: int | None = None, mode=None) -> int:
+        """Pages a request of ``positions`` positions may hold (its admission reservation). Under eviction: the
+        policy's cap plus the pages one write can add before the policy runs at its commit (a prefill chunk, or
+        the whole prompt for a mode that cannot be chunked)."""
         pages = self.pool.pages_for(positions)
         if self.eviction is not None:
-            pages = min(pages, self.eviction.max_pages_per_request(self.pool.num_layers, self.pool.page_size))
+            prompt = prompt_tokens or positions
+            write = min(self.config.prefill_chunk, prompt) if getattr(mode, "prefill_key", None) is not None else prompt
+            burst = self.pool.pages_for(write) + self.pool.num_layers  # + a page boundary
+            cap = self.eviction.max_pages_per_request(self.pool.num_layers, self.pool.page_size)
+            pages = min(pages, cap + burst)
         return pages
+
+    def _check_supported(self, mode) -> None:
+        if self.engine.kernel is not None:
+            raise InvalidArgumentError("block-sparse attention does not run on the paged KV pool yet; use dense "
+                                       "attention with the scheduler (or LaserLM.generate for sparse attention)")
+        if self.eviction is not None and getattr(mode, "name", "") == "speculative":
+            raise InvalidArgumentError("KV eviction does not combine with speculative decoding (a verify rolls "
+                                       "positions back over pages the policy may have dropped); use eviction none")
 
     def submit(self, prompt_ids: torch.Tensor, params: SamplingParams | None = None, mode=None,
                max_tokens: int | None = None, request_id: str | None = None,
@@ -184,20 +210,34 @@ class Scheduler:
             PoolFullError: the request could never fit the budget, or the waiting queue is full.
         """
         params = (params or SamplingParams()).validate()
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        mode = mode if mode is not None else FullDepth()
+        self._check_supported(mode)
+        ids = torch.as_tensor(prompt_ids)
+        if ids.dim() > 1 and not (ids.dim() == 2 and ids.shape[0] == 1):
+            raise InvalidArgumentError(f"one prompt per request: token ids of shape [T] expected, got {list(ids.shape)}")
+        if ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
+            raise InvalidArgumentError(f"token ids must be integers, got {ids.dtype}")
+        ids = ids.to(torch.long).reshape(-1)
         if ids.numel() == 0:
             raise InvalidArgumentError("empty prompt: at least one token is required")
+        vocab = int(getattr(self.engine.config, "vocab_size", 0) or 0)
+        if vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise InvalidArgumentError(f"token ids must lie in [0, {vocab}) for this model's vocabulary, got "
+                                       f"{int(ids.min())} .. {int(ids.max())}")
+        if max_tokens is not None and int(max_tokens) < 0:
+            raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
         room = self.engine.max_seq_len - ids.numel()
         if room <= 0:
             raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is "
                                      f"{self.engine.max_seq_len}")
         max_tokens = min(params.max_new_tokens, room) if max_tokens is None else min(int(max_tokens), room)
-        need = self.reservation(ids.numel() + max_tokens)
+        need = self.reservation(ids.numel() + max_tokens, ids.numel(), mode)
         if need > self.pool.num_pages:
             raise PoolFullError(
                 f"request needs up to {need} KV pages ({ids.numel()} prompt + {max_tokens} new positions x "
                 f"{self.pool.num_layers} layers) but the KV budget is {self.pool.describe()}: raise --kv-budget, "
                 "lower max_tokens, or enable eviction (--eviction streaming)")
+        self._admit()  # what can run now leaves the queue first
         if len(self.waiting) >= self.config.max_queue:
             raise PoolFullError(
                 f"KV pool full: {len(self.running)} running requests hold {self.pool.reserved} of "
@@ -209,13 +249,13 @@ class Scheduler:
         req = Request(ids, params, max_tokens, cache=None, generator=gen)
         if request_id is not None:
             req.request_id = request_id
-        seq = Sequence(req, mode if mode is not None else FullDepth(), frozenset() if params.ignore_eos
-                       else self.eos_ids, stop_check, need)
+        seq = Sequence(req, mode, frozenset() if params.ignore_eos else self.eos_ids, stop_check, need)
         self.sequences[req.request_id] = seq
         if max_tokens <= 0:
             self._finish(seq, "length")
         else:
             self.waiting.append(seq)
+            self._admit()
         return req.request_id
 
     def cancel(self, request_id: str) -> bool:
@@ -229,7 +269,26 @@ class Scheduler:
         return True
 
     def get(self, request_id: str) -> Sequence:
-        return self.sequences[request_id]
+        """The :class:`Sequence` of a submitted request (until :meth:`pop`).
+
+        Raises:
+            InvalidArgumentError: an unknown id.
+        """
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            raise InvalidArgumentError(f"unknown request id {request_id!r}")
+        return seq
+
+    def pop(self, request_id: str) -> Sequence:
+        """Forget a finished request (a long-running server calls this once it has sent the result).
+
+        Raises:
+            InvalidArgumentError: an unknown id, or a request still running (cancel it first).
+        """
+        seq = self.get(request_id)
+        if seq.status != "finished":
+            raise InvalidArgumentError(f"request {request_id!r} is still {seq.status}; cancel it first")
+        return self.sequences.pop(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -247,7 +306,7 @@ class Scheduler:
             req = seq.request
             req.cache = PagedCache(pool, req.prompt_ids.numel() + req.max_tokens, self.eviction)
             key = getattr(seq.mode, "prefill_key", None)
-            if self.config.prefix_cache and key is not None:
+            if self._prefix_cache and key is not None:
                 req.prefilled = req.cache.attach_prefix(req.prompt_ids.tolist(), key)
                 self.stats["prefix_hit_tokens"] += req.prefilled
             seq.status = "prefill"
@@ -272,7 +331,7 @@ class Scheduler:
             emitted = start(eng, seq.mode, req)
         req.prefilled = req.prompt_ids.numel()
         self.stats["prefill_chunks"] += 1
-        if self.config.prefix_cache and key is not None:
+        if self._prefix_cache and key is not None:
             req.cache.register_prefix(req.prompt_ids.tolist(), key)
         seq.status = "decode"
         self._emit(seq, emitted)
@@ -298,6 +357,8 @@ class Scheduler:
         """Admit, prefill one chunk, decode one token of every running request, finish; returns what each
         touched request produced (see the module docstring)."""
         self.stats["steps"] += 1
+        if self.engine.kernel is not None:
+            self._check_supported(None)
         self._admit()
         before = {s.request_id: len(s.events) for s in self.running}
         decoding = [s for s in self.running if s.status == "decode"]
