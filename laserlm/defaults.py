@@ -76,9 +76,10 @@ SPECULATIVE_PASS_THROUGH = ("reuse",)
 DEFAULTS_DIR = "defaults"  # under the cache root (laserlm.models.loader.cache_root)
 ADAPTIVE_FILE = "adaptive.laser.safetensors"
 SPECULATIVE_FILE = "speculative.json"
-# default-size calibration on 2 idle cores: smollm2 measured ~6 min on Zen 4 (AVX512-BF16), ~13.5 min on Zen 3
-# (float32 head training); gemma3 estimated
-BUILD_MINUTES = {"smollm2-135m": 6, "gemma3-270m": 12}
+# default-size calibration: smollm2 with the WikiText recipe measured ~6 min on Zen 4 (AVX512-BF16) and ~13.5 min
+# on Zen 3 (2 idle cores); the chat recipe (its own greedy answers first) took 26 min on Zen 3 at 1 thread under
+# load, so ~15 min on 2 idle cores is the estimate; gemma3 estimated at twice that
+BUILD_MINUTES = {"smollm2-135m": 15, "gemma3-270m": 30}
 # the calibration text of the adaptive default: the model's own greedy answers to chat prompts drawn from these
 # dev/valid files under the data directory (laserlm.training.chat_text; the shipped prompts stay held out)
 CHAT_PROMPT_SOURCES = ("arc/ARC-Easy-Dev.jsonl", "arc/ARC-Challenge-Dev.jsonl", "piqa/valid.jsonl")

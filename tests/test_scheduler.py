@@ -274,3 +274,23 @@ def test_review_findings_are_refused_or_fixed(smol):
     assert len(burst.running) == 4 and not burst.waiting
     run_all(burst)
     assert burst.pop(ids[0]).status == "finished" and ids[0] not in burst.sequences
+
+
+def test_adaptive_requests_batch_with_their_own_exits(smol):
+    """Adaptive requests (propagate bridge) of one mode run as one batched forward, each row with its own exits and
+    patience; each gets the tokens and exit layers it gets alone."""
+    eng, tok = smol.engine, smol.tokenizer
+    mode = make_mode("adaptive:policy=confidence,threshold=0.8,patience=1", eng)
+    assert mode.batchable(eng)
+    ids = [torch.tensor(tok(p)["input_ids"]) for p in PROMPTS[:4]]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    runs = [generate_tokens(eng, mode, i, params, 10) for i in ids]
+    expected = [[(ev.token_id, ev.layers) for ev in run] for run in runs]
+    assert any(layers < eng.num_layers for e in expected for _, layers in e[1:])  # some tokens exit
+    sched = Scheduler(eng, BatchConfig(kv_budget="32MiB", max_batch=4), smol.eos_ids)
+    rids = [sched.submit(i, params, mode) for i in ids]
+    run_all(sched)
+    got = [[(e.token_id, e.layers) for e in sched.get(r).events] for r in rids]
+    assert got == expected
+    assert sched.stats["batched_rows"] >= 4 * 8 and sched.stats["single_steps"] == 0
+    assert not make_mode("adaptive:policy=confidence,threshold=0.8,bridge=none", eng).batchable(eng)

@@ -34,7 +34,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
 from ..runtime.modes import ScoreOutput
-from .bridge import Bridge, DeferredBridge, PendingToken, make_bridge
+from .bridge import Bridge, DeferredBridge, PendingToken, PropagateBridge, make_bridge
 from .groups import LayerGroups
 from .policies import ExitPolicy, transition_score
 from .stats import summarize_events
@@ -241,6 +241,60 @@ class AdaptiveDepth:
         exit layer; ``info`` holds the step details."""
         logits, info = self.decode(engine, request.state, request.cache, request.last_token)
         return [Emitted(request.sample(logits), info["exit_layer"], info)]
+
+    # -- continuous batching ---------------------------------------------------------------------
+    def batchable(self, engine) -> bool:
+        """Whether :meth:`step_batch` reproduces :meth:`step`: the ``propagate`` bridge and no ATS (the frozen-row
+        walk below writes exactly the propagate bridge's K/V; the ATS reads per-row attention history)."""
+        return isinstance(self.bridge, PropagateBridge) and self.ats_layer is None and engine.kernel is None
+
+    @torch.inference_mode()
+    def step_batch(self, engine, requests) -> list[list[Emitted]]:
+        """One token for each of ``requests`` (paged caches, :class:`~laserlm.runtime.kv_pool.PagedBatch`) in one
+        batched forward; each row makes its own exit decision under its own patience lock and route.
+
+        A row that exits is frozen: every later layer still runs on its exit state, which writes that layer's own
+        projection of it, i.e. the ``propagate`` bridge's K/V (CALM's state propagation; the technique of
+        :mod:`laserlm.depth.batched`). So a batched row costs full depth, like every row of a batched forward on
+        a memory-bound CPU, and its logits are its exit head's. Equal to :meth:`step` per request up to float
+        rounding of batched matmuls."""
+        from ..runtime.kv_pool import PagedBatch  # noqa: PLC0415
+
+        L, n = engine.num_layers, len(requests)
+        ids = torch.tensor([[r.last_token] for r in requests], dtype=torch.long)
+        h0, st = engine.begin(ids, cache=PagedBatch([r.cache for r in requests]))
+        run = {"h": h0}
+
+        def run_group(g, a, b, exited):
+            h_in = run["h"]
+            if bool(exited.any()):
+                keep = exited.view(-1, 1, 1)
+                h = h_in
+                for layer in range(a, b):
+                    h = torch.where(keep, h_in, engine.run_layer(layer, h, st))
+            else:
+                h = engine.run_layers(a, b, h_in, st)
+            run["h"] = h
+            return h_in[:, 0], h[:, 0], None
+
+        locked = torch.tensor([-1 if r.state.patience.locked is None else r.state.patience.locked for r in requests])
+        route = torch.tensor([r.state.route_layer for r in requests])
+        was_locked = [r.state.patience.locked is not None for r in requests]
+        res = walk_groups(self.groups, self.policy, lambda b: self.head_at(engine, b), engine.head, n, run_group,
+                          locked=locked, route=route, finish=True)
+        engine.commit(st)
+        out = []
+        for i, r in enumerate(requests):
+            exited = bool(res.exited[i])
+            exit_layer = int(res.exit_layer[i])
+            r.state.patience = update_patience(r.state.patience, self.patience,
+                                               int(res.exit_group[i]) if exited else None, bool(res.lock_failed[i]))
+            info = {"bridge": self.bridge.name, "patience": was_locked[i], "bridge_layers": L - exit_layer if exited
+                    else 0, "exit_group": int(res.exit_group[i]), "exit_layer": exit_layer,
+                    "head_evals": int(res.head_evals[i]), "deferred_layers": 0, "compute_layers": exit_layer,
+                    "batched": True}
+            out.append([Emitted(r.sample(res.logits[i]), exit_layer, info)])
+        return out
 
     def summary(self, request) -> dict:
         """The exit-layer histogram and compute summary of a request (:func:`summarize_events`)."""

@@ -60,6 +60,10 @@ class DecodingMode(Protocol):
     def score(self, engine, input_ids: torch.Tensor) -> ScoreOutput:
         """Teacher-forced logits of every position of ``input_ids [T]`` under this mode."""
 
+    # optional, for continuous batching (laserlm.runtime.scheduler): ``batchable(engine) -> bool`` and
+    # ``step_batch(engine, requests) -> list[list[Emitted]]`` (one step of several requests in one forward, each
+    # as its own ``step`` would give it up to float rounding). Modes without them are stepped one request at a time.
+
 
 class FullDepth:
     """The unmodified model: every token runs every decoder layer."""
@@ -78,6 +82,23 @@ class FullDepth:
     def step(self, engine, request):
         out = engine.decode_step(torch.tensor([request.last_token]), cache=request.cache)
         return [Emitted(request.sample(out.logits[0, -1]), out.stats.layers_run[-1])]
+
+    def batchable(self, engine) -> bool:
+        """Whether :meth:`step_batch` applies (dense attention: the sparse decode kernel reads one request)."""
+        return engine.kernel is None
+
+    @torch.inference_mode()
+    def step_batch(self, engine, requests) -> list[list[Emitted]]:
+        """One token for each of ``requests`` (paged caches) in one batched forward, each row at its own position
+        with its own sampling parameters and RNG."""
+        from .kv_pool import PagedBatch  # noqa: PLC0415
+
+        ids = torch.tensor([[r.last_token] for r in requests], dtype=torch.long)
+        h, st = engine.begin(ids, cache=PagedBatch([r.cache for r in requests]))
+        h = engine.run_layers(0, engine.num_layers, h, st)
+        engine.commit(st)
+        logits = engine.head(h)[:, -1]  # [B, V]
+        return [[Emitted(r.sample(logits[i]), engine.num_layers)] for i, r in enumerate(requests)]
 
     @torch.inference_mode()
     def score(self, engine, input_ids):

@@ -44,7 +44,7 @@ import torch
 from ..errors import ContextLengthError, InvalidArgumentError, PoolFullError
 from .eviction import parse_eviction
 from .generate import TokenEvent
-from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedBatch, PagedCache, budget_amount
+from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedCache, budget_amount
 from .loop import Emitted, advance, record, start
 from .modes import FullDepth
 from .request import Request
@@ -337,21 +337,19 @@ class Scheduler:
         self._emit(seq, emitted)
         return left
 
-    def _batchable(self, seq: Sequence) -> bool:
-        return type(seq.mode) is FullDepth and self.engine.kernel is None
-
-    def _decode_batch(self, rows: list[Sequence]) -> None:
-        eng = self.engine
-        with torch.inference_mode():
-            ids = torch.tensor([[s.request.last_token] for s in rows], dtype=torch.long)
-            h, st = eng.begin(ids, cache=PagedBatch([s.request.cache for s in rows]))
-            h = eng.run_layers(0, eng.num_layers, h, st)
-            eng.commit(st)
-            logits = eng.head(h)[:, -1]  # [B, V]
-        self.stats["batched_forwards"] += 1
-        self.stats["batched_rows"] += len(rows)
-        for i, s in enumerate(rows):
-            self._emit(s, record(s.request, [Emitted(s.request.sample(logits[i]), eng.num_layers)]))
+    def _groups(self, decoding: list[Sequence]) -> tuple[list[list[Sequence]], list[Sequence]]:
+        """Decoding requests split into batches (same mode object, which can batch) and the rest."""
+        by_mode: dict[int, list[Sequence]] = {}
+        single = []
+        for s in decoding:
+            ok = getattr(s.mode, "batchable", None)
+            if ok is not None and ok(self.engine):
+                by_mode.setdefault(id(s.mode), []).append(s)
+            else:
+                single.append(s)
+        batches = [g for g in by_mode.values() if len(g) > 1]
+        single += [g[0] for g in by_mode.values() if len(g) == 1]
+        return batches, single
 
     def step(self) -> list[StepOutput]:
         """Admit, prefill one chunk, decode one token of every running request, finish; returns what each
@@ -370,11 +368,14 @@ class Scheduler:
             if getattr(s.mode, "prefill_key", None) is None and left > budget and budget < self.config.prefill_chunk:
                 break  # a prompt that cannot be chunked waits for a step of its own
             budget -= self._prefill(s, budget)
-        batch = [s for s in decoding if self._batchable(s)]
-        if len(batch) > 1:
-            self._decode_batch(batch)
-        single = [s for s in decoding if s not in batch or len(batch) == 1]
-        for s in single:
+        batches, single = self._groups(decoding)
+        for rows in batches:
+            emitted = rows[0].mode.step_batch(self.engine, [s.request for s in rows])
+            self.stats["batched_forwards"] += 1
+            self.stats["batched_rows"] += len(rows)
+            for s, e in zip(rows, emitted):
+                self._emit(s, record(s.request, e))
+        for s in sorted(single, key=decoding.index):
             with torch.inference_mode():
                 emitted = advance(self.engine, s.mode, s.request)
             self.stats["single_steps"] += 1
