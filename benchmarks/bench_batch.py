@@ -261,8 +261,8 @@ def main():
     per_pos = pool.page_bytes * pool.num_layers / pool.page_size
     res["memory"] = {"pool_arena_mib": round(pool.nbytes / 2**20, 1),
                      "peak_pages_used": peak, "peak_used_mib": round(peak * pool.page_bytes / 2**20, 2),
-                     "contiguous_per_request_mib": round(args.max_batch * (args.prompt_tokens + new) * per_pos / 2**20, 2),
-                     "static_context_per_request_mib": round(args.max_batch * lm.engine.max_seq_len * per_pos / 2**20, 2)}
+                     "contiguous_per_request_mib": round(min(args.max_batch, nd) * (args.prompt_tokens + new) * per_pos / 2**20, 2),
+                     "static_context_per_request_mib": round(min(args.max_batch, nd) * lm.engine.max_seq_len * per_pos / 2**20, 2)}
     print(res["memory"], flush=True)
     if "churn" not in args.skip:
         res["fragmentation"] = churn_fragmentation(lm, args.kv_budget)
