@@ -15,7 +15,6 @@ import dataclasses
 from typing import Callable
 
 from .errors import InvalidArgumentError
-
 from .models.loader import LoadedModel, load_model
 from .modes import make_mode
 from .runtime.engine import Engine
@@ -189,17 +188,13 @@ class LaserLM:
             def stop_check(req):
                 text = tok.decode(req.output_ids, skip_special_tokens=True)
                 return any(s in text for s in params.stop)
-        rids, pending = [], list(range(len(ids)))
+        for i in ids:  # every request must fit before any runs
+            sched.check(i, params, m)
         bar = None
         if progress:
             from tqdm import tqdm  # noqa: PLC0415
 
             bar = tqdm(total=len(ids), desc="requests", unit="req")
-        for i in pending:  # every request must fit before any runs
-            n = ids[i].numel()
-            need = sched.reservation(n + min(params.max_new_tokens, self.engine.max_seq_len - n), n, m)
-            if need > sched.pool.num_pages:
-                sched.submit(ids[i], params, m, stop_check=stop_check)  # raises the budget error
         queue = list(range(len(ids)))
         rid_of: dict[int, str] = {}
         while queue or sched.has_unfinished:

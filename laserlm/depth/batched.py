@@ -48,6 +48,19 @@ class BatchScore:
     layers: torch.Tensor
 
 
+def run_layers_frozen(engine, a: int, b: int, h_in: torch.Tensor, exited: torch.Tensor, state) -> torch.Tensor:
+    """Layers ``a .. b-1`` on ``h_in [B, 1, d]`` with the ``exited [B]`` rows frozen at ``h_in``: every layer still
+    runs on a frozen row's exit state, so the K/V it writes for that row are its own projections of that state,
+    i.e. the ``propagate`` bridge's K/V; the frozen rows' outputs are discarded. Returns ``[B, 1, d]``."""
+    if not bool(exited.any()):
+        return engine.run_layers(a, b, h_in, state)
+    keep = exited.view(-1, 1, 1)
+    h = h_in
+    for layer in range(a, b):
+        h = torch.where(keep, h_in, engine.run_layer(layer, h, state))
+    return h
+
+
 def supports_batched_score(mode) -> bool:
     """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (propagate bridge, no patience)."""
     return (isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "patience", 1) == 0
@@ -93,15 +106,8 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
         run = {"h": h0}
 
         def run_group(g, a, b, exited):
-            h_in = run["h"]  # for an exited row: its exit state (frozen below)
-            if exited.any():  # later layers project the exited rows' K/V from their exit state (propagate)
-                keep = exited.view(-1, 1, 1)
-                h = h_in
-                for layer in range(a, b):
-                    h = torch.where(keep, h_in, engine.run_layer(layer, h, st))
-            else:
-                h = engine.run_layers(a, b, h_in, st)
-            run["h"] = h
+            h_in = run["h"]  # for an exited row: its exit state (frozen by run_layers_frozen)
+            h = run["h"] = run_layers_frozen(engine, a, b, h_in, exited, st)
             ats = None
             if ats_layer is not None and a <= ats_layer < b:
                 cur = st.ctx.probs[ats_layer][:, :, -1, :].float()  # [B, H, S]

@@ -34,6 +34,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
 from ..runtime.modes import ScoreOutput
+from .batched import run_layers_frozen
 from .bridge import Bridge, DeferredBridge, PendingToken, PropagateBridge, make_bridge
 from .groups import LayerGroups
 from .policies import ExitPolicy, transition_score
@@ -267,14 +268,7 @@ class AdaptiveDepth:
 
         def run_group(g, a, b, exited):
             h_in = run["h"]
-            if bool(exited.any()):
-                keep = exited.view(-1, 1, 1)
-                h = h_in
-                for layer in range(a, b):
-                    h = torch.where(keep, h_in, engine.run_layer(layer, h, st))
-            else:
-                h = engine.run_layers(a, b, h_in, st)
-            run["h"] = h
+            h = run["h"] = run_layers_frozen(engine, a, b, h_in, exited, st)
             return h_in[:, 0], h[:, 0], None
 
         locked = torch.tensor([-1 if r.state.patience.locked is None else r.state.patience.locked for r in requests])

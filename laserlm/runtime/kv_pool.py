@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError, PoolFullError
+from . import attention as attn
 from .kv_cache import CachePositions
 
 DEFAULT_PAGE_SIZE = 16
@@ -542,8 +543,6 @@ class PagedWindow:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write ``key_states``/``value_states`` ``[B, n_kv, T, hd]`` of layer ``layer_idx`` into their pages;
         return the layer's gathered K and V ``[B, n_kv, S, hd]`` (see the module docstring)."""
-        from . import attention as attn  # noqa: PLC0415
-
         pool, ps = self.pool, self.pool.page_size
         tab = self._tables[:, layer_idx]  # [B, P]
         pid = tab.gather(1, self._slot_page)  # [B, T]

@@ -192,22 +192,13 @@ class Scheduler:
             raise InvalidArgumentError("KV eviction does not combine with speculative decoding (a verify rolls "
                                        "positions back over pages the policy may have dropped); use eviction none")
 
-    def submit(self, prompt_ids: torch.Tensor, params: SamplingParams | None = None, mode=None,
-               max_tokens: int | None = None, request_id: str | None = None,
-               stop_check: Callable | None = None) -> str:
-        """Queue a request; returns its id.
-
-        Args:
-            prompt_ids: ``[T]`` int64 prompt tokens.
-            params: sampling parameters (validated here; default greedy, 64 tokens).
-            mode: a decoding mode object (default full depth).
-            max_tokens: tokens to generate at most (default ``min(params.max_new_tokens, context - T)``).
-            stop_check: ``fn(request) -> bool`` called after every step (e.g. stop strings); True finishes it.
+    def check(self, prompt_ids, params: SamplingParams | None = None, mode=None,
+              max_tokens: int | None = None) -> tuple[torch.Tensor, SamplingParams, object, int, int]:
+        """Everything :meth:`submit` checks about one request except the queue: returns ``(ids [T], params, mode,
+        max_tokens, pages to reserve)``. ``LaserLM.generate_batch`` calls it on every prompt before running any.
 
         Raises:
-            ContextLengthError: the prompt fills the context.
-            InvalidArgumentError: an empty prompt, bad sampling values, a duplicate id.
-            PoolFullError: the request could never fit the budget, or the waiting queue is full.
+            ContextLengthError, InvalidArgumentError, PoolFullError: as :meth:`submit`, except a full queue.
         """
         params = (params or SamplingParams()).validate()
         mode = mode if mode is not None else FullDepth()
@@ -237,6 +228,26 @@ class Scheduler:
                 f"request needs up to {need} KV pages ({ids.numel()} prompt + {max_tokens} new positions x "
                 f"{self.pool.num_layers} layers) but the KV budget is {self.pool.describe()}: raise --kv-budget, "
                 "lower max_tokens, or enable eviction (--eviction streaming)")
+        return ids, params, mode, max_tokens, need
+
+    def submit(self, prompt_ids: torch.Tensor, params: SamplingParams | None = None, mode=None,
+               max_tokens: int | None = None, request_id: str | None = None,
+               stop_check: Callable | None = None) -> str:
+        """Queue a request; returns its id.
+
+        Args:
+            prompt_ids: ``[T]`` int64 prompt tokens.
+            params: sampling parameters (validated here; default greedy, 64 tokens).
+            mode: a decoding mode object (default full depth).
+            max_tokens: tokens to generate at most (default ``min(params.max_new_tokens, context - T)``).
+            stop_check: ``fn(request) -> bool`` called after every step (e.g. stop strings); True finishes it.
+
+        Raises:
+            ContextLengthError: the prompt fills the context.
+            InvalidArgumentError: an empty prompt, bad token ids or sampling values, a duplicate id.
+            PoolFullError: the request could never fit the budget, or the waiting queue is full.
+        """
+        ids, params, mode, max_tokens, need = self.check(prompt_ids, params, mode, max_tokens)
         self._admit()  # what can run now leaves the queue first
         if len(self.waiting) >= self.config.max_queue:
             raise PoolFullError(
