@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .cli_common import add_mode_args, add_model_args, load_from_args
+from .cli_common import add_mode_args, add_model_args, laser_mode_spec, load_from_args  # noqa: F401 (re-export)
 from .errors import InvalidArgumentError, LaserLMError
 
 EXIT_USAGE = 2
@@ -35,20 +35,6 @@ def check_chat_template(args) -> None:
     if chat_template_available(args.model) is False:
         raise InvalidArgumentError(f"model '{args.model}' has no chat template (a base model?); drop --chat "
                                    "to continue the prompt as plain text")
-
-
-def laser_mode_spec(mode: str, laser: str) -> str:
-    """``--laser PATH``: ``full`` becomes ``adaptive:laser=PATH,patience=0`` (the setting the calibration's
-    guarantee is about); an ``adaptive`` or ``speculative`` spec gets ``laser=PATH`` added (speculative drafts
-    with the file's exit head); other modes are an error."""
-    if not str(laser).strip():
-        raise LaserLMError("--laser needs the path of a laser file (from `laserlm calibrate`)")
-    name, _, rest = mode.partition(":")
-    if name == "full" and not rest:
-        return f"adaptive:laser={laser},patience=0"
-    if name not in ("adaptive", "speculative"):
-        raise LaserLMError(f"--laser works with the adaptive mode and the speculative mode, not '{name}'")
-    return f"{name}:{rest},laser={laser}" if rest else f"{name}:laser={laser}"
 
 
 # -- generate -----------------------------------------------------------------------------------
@@ -261,9 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(sub)
     from .bench import cli as bench_cli  # noqa: PLC0415  (the tools' subcommands; they never import this module)
     from .evaluation import cli as eval_cli  # noqa: PLC0415
+    from .serve import cli as serve_cli  # noqa: PLC0415
     from .training import cli as training_cli  # noqa: PLC0415
 
-    for module in (eval_cli, bench_cli, training_cli):
+    for module in (eval_cli, bench_cli, training_cli, serve_cli):
         module.add_parser(sub)
     return parser
 

@@ -193,3 +193,17 @@ def check_output_path(path: str | None, flag: str) -> None:
         raise InvalidArgumentError(f"{flag} {path}: directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise InvalidArgumentError(f"{flag} {path}: directory {parent} is not writable")
+
+
+def laser_mode_spec(mode: str, laser: str) -> str:
+    """``--laser PATH``: ``full`` becomes ``adaptive:laser=PATH,patience=0`` (the setting the calibration's
+    guarantee is about); an ``adaptive`` or ``speculative`` spec gets ``laser=PATH`` added (speculative drafts
+    with the file's exit head); other modes are an error."""
+    if not str(laser).strip():
+        raise LaserLMError("--laser needs the path of a laser file (from `laserlm calibrate`)")
+    name, _, rest = mode.partition(":")
+    if name == "full" and not rest:
+        return f"adaptive:laser={laser},patience=0"
+    if name not in ("adaptive", "speculative"):
+        raise LaserLMError(f"--laser works with the adaptive mode and the speculative mode, not '{name}'")
+    return f"{name}:{rest},laser={laser}" if rest else f"{name}:laser={laser}"

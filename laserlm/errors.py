@@ -47,3 +47,8 @@ class PoolFullError(LaserLMError):
 
     The message names the budget (``--kv-budget``) and what to change. Requests already admitted are never
     dropped for lack of pages (admission reserves their pages)."""
+
+
+class QueueFullError(PoolFullError):
+    """The waiting queue is at its bound (``max_queue``): the request would fit, but not now. A server answers
+    it with 429 (retry later), unlike a request that could never fit the budget (400)."""

@@ -120,6 +120,84 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
+class Detokenizer:
+    """Push-based text assembly for one request: feed :class:`TokenEvent` s to :meth:`push`, get the text
+    pieces that are safe to show, and :meth:`flush` the held-back tail at the end. It applies EOS and stop
+    strings (the stop string is not part of the text), holds back an incomplete UTF-8 sequence and any suffix
+    that may grow into a stop string, and collects what :class:`GenerationResult` reports.
+
+    :class:`Generation` (the pull-based iterator) and the HTTP server (:mod:`laserlm.serve`) both use it, so
+    offline and served requests give the same text.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        params: validated sampling parameters (``stop`` strings, ``ignore_eos``).
+        eos_ids: tokens that end generation (ignored when ``params.ignore_eos``).
+
+    Attributes:
+        ids, layers, itl, events: generated token ids (EOS excluded), layers per token (EOS included),
+            inter-token seconds, mode infos of the events.
+        text: the text so far (cut at a stop string once one is found).
+        finish: ``"eos"`` or ``"stop"`` once :meth:`push` returned ``done``; else ``None``.
+        ttft: seconds of the first event (NaN before it).
+    """
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_ids):
+        self.tokenizer, self.params = tokenizer, params
+        self.eos_ids = set() if params.ignore_eos else set(eos_ids)
+        self.ids: list[int] = []
+        self.layers: list[float] = []
+        self.itl: list[float] = []
+        self.events: list[dict] = []
+        self.text = ""
+        self.emitted = 0
+        self.finish: str | None = None
+        self.ttft = float("nan")
+        self.last_event: TokenEvent | None = None
+
+    def push(self, ev: TokenEvent) -> tuple[str, bool]:
+        """Take one event; returns ``(piece, done)``: the new text to show (maybe ``""``) and whether the
+        request is over (EOS or a stop string; later events must not be pushed)."""
+        params = self.params
+        if self.last_event is None:
+            self.ttft = ev.seconds
+        else:
+            self.itl.append(ev.seconds)
+        self.last_event = ev
+        if ev.info:
+            self.events.append(ev.info)
+        self.layers.append(ev.layers)
+        if ev.token_id in self.eos_ids:
+            self.finish = "eos"
+            return self.flush(), True
+        self.ids.append(ev.token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if params.stop:
+            window_start = max(0, self.emitted - max(len(s) for s in params.stop))
+            hits = [i for i in (text.find(s, window_start) for s in params.stop) if i >= 0]
+            if hits:
+                self.text = text[:min(hits)]
+                self.finish = "stop"
+                return self._take(len(self.text)), True
+        self.text = text
+        safe = len(text)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            safe = len(text.rstrip("\ufffd"))
+        safe -= _held_back(text[:safe], params.stop) if params.stop else 0
+        return self._take(safe), False
+
+    def flush(self) -> str:
+        """The text not shown yet (at the end of a request that did not stop on a stop string)."""
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        piece = self.text[self.emitted:upto]
+        self.emitted = upto
+        return piece
+
+
 class Generation:
     """An iterator of text pieces for one request; ``.result`` holds the :class:`GenerationResult` at the end.
 
@@ -154,73 +232,33 @@ class Generation:
         return next(self._it)
 
     def _run(self) -> Iterator[str]:
-        params, tok = self.params, self.tokenizer
-        ids: list[int] = []
-        layers: list[float] = []
-        itl: list[float] = []
-        extra_events: list[dict] = []
-        emitted = 0
-        text = ""
-        finish = "length"
-        ttft = float("nan")
+        det = Detokenizer(self.tokenizer, self.params, self.eos_ids)
         start = time.perf_counter()
-        source = self.token_source(self.prompt_ids, params, self.max_tokens)
+        source = self.token_source(self.prompt_ids, self.params, self.max_tokens)
         for ev in source:
-            if not ids:
-                ttft = ev.seconds
-            else:
-                itl.append(ev.seconds)
-            if ev.info:
-                extra_events.append(ev.info)
-            if ev.token_id in self.eos_ids:
-                layers.append(ev.layers)
-                finish = "eos"
-                break
-            ids.append(ev.token_id)
-            layers.append(ev.layers)
-            text = tok.decode(ids, skip_special_tokens=True)
-            cut = None
-            if params.stop:
-                window_start = max(0, emitted - max(len(s) for s in params.stop))
-                hits = [i for i in (text.find(s, window_start) for s in params.stop) if i >= 0]
-                cut = min(hits) if hits else None
-            if cut is not None:
-                text = text[:cut]
-                finish = "stop"
-                if len(text) > emitted:
-                    piece = text[emitted:]
-                    emitted = len(text)
-                    if self.on_token:
-                        self.on_token(piece, ev)
-                    yield piece
-                break
-            safe = len(text)
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-                safe = len(text.rstrip("\ufffd"))
-            safe -= _held_back(text[:safe], params.stop) if params.stop else 0
-            if safe > emitted:
-                piece = text[emitted:safe]
-                emitted = safe
+            piece, done = det.push(ev)
+            if piece:
                 if self.on_token:
                     self.on_token(piece, ev)
                 yield piece
-        else:
-            if self.context_limited and len(ids) >= self.max_tokens:
-                finish = "context"
-        if finish in ("length", "context", "eos") and len(text) > emitted:
-            piece = text[emitted:]
-            emitted = len(text)
-            if self.on_token:  # the held-back tail goes to the callback too (text is non-empty: ev is set)
-                self.on_token(piece, ev)
-            yield piece
+            if done:
+                break
+        tail = det.flush()
+        if tail:
+            if self.on_token:  # the held-back tail goes to the callback too (text is non-empty: an event came)
+                self.on_token(tail, det.last_event)
+            yield tail
+        finish = det.finish
+        if finish is None:
+            finish = "context" if self.context_limited and len(det.ids) >= self.max_tokens else "length"
         total = time.perf_counter() - start
-        extra = {"events": extra_events} if extra_events else {}
+        extra = {"events": det.events} if det.events else {}
         summary = getattr(source, "summary", None)  # token sources may report aggregate stats
         if callable(summary):
             extra.update(summary())
-        self.result = GenerationResult(text=text, token_ids=ids, prompt_tokens=int(self.prompt_ids.shape[0]),
-                                       finish_reason=finish, ttft_s=ttft, total_s=total,
-                                       layers_per_token=layers, itl_s=itl, extra=extra)
+        self.result = GenerationResult(text=det.text, token_ids=det.ids, prompt_tokens=int(self.prompt_ids.shape[0]),
+                                       finish_reason=finish, ttft_s=det.ttft, total_s=total,
+                                       layers_per_token=det.layers, itl_s=det.itl, extra=extra)
 
     def run(self) -> GenerationResult:
         """Consume the stream and return the result."""

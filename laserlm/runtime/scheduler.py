@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import ContextLengthError, InvalidArgumentError, PoolFullError
+from ..errors import ContextLengthError, InvalidArgumentError, PoolFullError, QueueFullError
 from .eviction import parse_eviction
 from .generate import TokenEvent
 from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedCache, budget_amount
@@ -245,12 +245,13 @@ class Scheduler:
         Raises:
             ContextLengthError: the prompt fills the context.
             InvalidArgumentError: an empty prompt, bad token ids or sampling values, a duplicate id.
-            PoolFullError: the request could never fit the budget, or the waiting queue is full.
+            PoolFullError: the request could never fit the budget; its subclass QueueFullError when the waiting
+                queue is full.
         """
         ids, params, mode, max_tokens, need = self.check(prompt_ids, params, mode, max_tokens)
         self._admit()  # what can run now leaves the queue first
         if len(self.waiting) >= self.config.max_queue:
-            raise PoolFullError(
+            raise QueueFullError(
                 f"KV pool full: {len(self.running)} running requests hold {self.pool.reserved} of "
                 f"{self.pool.num_pages} pages (budget {self.pool.describe()}) and the waiting queue holds its "
                 f"maximum of {self.config.max_queue} requests; retry later or raise --kv-budget")

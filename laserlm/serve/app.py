@@ -1,0 +1,507 @@
+"""The OpenAI-compatible HTTP app (FastAPI): ``/v1/completions``, ``/v1/chat/completions`` (with server-sent
+events when ``stream`` is true), ``/v1/models``, ``/health`` and ``/metrics``.
+
+Requests go to the continuous-batching scheduler through :class:`~laserlm.serve.engine.ServingEngine`; text is
+assembled by the same :class:`~laserlm.runtime.generate.Detokenizer` as offline ``generate``, so greedy output
+over HTTP is the offline output. Every response carries a ``timings`` object with llama.cpp's server names
+(``prompt_n``, ``prompt_ms``, ``predicted_n``, ``predicted_ms``, ``predicted_per_second``, ``draft_n``,
+``draft_n_accepted``) plus ``layers_per_token`` and the ``exit_layer_histogram``. ``prompt_ms`` is the time
+from arrival to the first token (the queue wait included: the scheduler admits and prefills in steps);
+``predicted_ms`` is the time from the first token to the last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..depth.stats import summarize_events
+from ..errors import (ContextLengthError, InvalidArgumentError, LaserLMError, NonFiniteLogitsError, PoolFullError,
+                      QueueFullError)
+from ..runtime.generate import Detokenizer, encode_prompt
+from .engine import Finished, ServingEngine, TokenBatch
+from .metrics import ServerMetrics
+from .protocol import APIError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
+
+log = logging.getLogger("laserlm.serve")
+DISCONNECT_POLL_S = 0.25  # how often a running request checks that its client is still connected
+
+
+@dataclass
+class ServerSettings:
+    """What ``laserlm serve`` runs (the CLI's flags; also what each Ray Serve replica builds).
+
+    Attributes:
+        model: bundled name, .gguf file or model directory.
+        served_model_name: the name clients send as ``model`` (default: ``model``).
+        mode: the default mode spec; ``laser`` adds a laser file to it as ``laserlm generate --laser`` does.
+        allowed_modes: further mode specs a request may name in its ``mode`` field (all built at startup).
+        weights, dtype, ctx_size, threads: as ``laserlm generate``.
+        kv_budget, max_batch, max_queue, page_size, prefill_chunk, eviction, prefix_cache: the KV pool and
+            scheduler (:class:`~laserlm.runtime.scheduler.BatchConfig`).
+        api_key: when set, ``/v1`` requests need ``Authorization: Bearer <api_key>``.
+        default_max_tokens: chat requests without ``max_tokens`` generate at most this many tokens (and the room
+            left in the context); completions default to OpenAI's 16.
+    """
+
+    model: str = "smollm2-135m"
+    served_model_name: str | None = None
+    mode: str = "full"
+    allowed_modes: list[str] = field(default_factory=list)
+    laser: str | None = None
+    weights: str = "auto"
+    dtype: str | None = None
+    ctx_size: int | None = None
+    threads: int | None = None
+    kv_budget: object = None
+    max_batch: int = 16
+    max_queue: int = 256
+    page_size: int = 16
+    prefill_chunk: int = 256
+    eviction: str | None = None
+    prefix_cache: bool = True
+    api_key: str | None = None
+    default_max_tokens: int = 512
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+    def batch_options(self) -> dict:
+        return {"max_batch": self.max_batch, "max_queue": self.max_queue, "page_size": self.page_size,
+                "prefill_chunk": self.prefill_chunk, "eviction": self.eviction, "prefix_cache": self.prefix_cache}
+
+    def mode_specs(self) -> list[str]:
+        """The default mode spec first, then the other allowed specs (duplicates dropped)."""
+        from ..cli_common import laser_mode_spec  # noqa: PLC0415
+
+        default = laser_mode_spec(self.mode, self.laser) if self.laser else self.mode
+        specs = [default.strip()]
+        for s in self.allowed_modes:
+            if s.strip() and s.strip() not in specs:
+                specs.append(s.strip())
+        return specs
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the model, its modes, the engine thread and the metrics."""
+
+    settings: ServerSettings
+    lm: object
+    modes: dict
+    engine: ServingEngine
+    metrics: ServerMetrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+def load_state(settings: ServerSettings, lm=None) -> ServerState:
+    """Load the model (unless ``lm`` is given), build every allowed mode, start the engine thread.
+
+    Raises:
+        LaserLMError: an unknown model, a bad mode spec or batch setting (before anything is served).
+    """
+    from ..api import load  # noqa: PLC0415
+    from ..runtime.scheduler import BatchConfig  # noqa: PLC0415
+
+    BatchConfig(kv_budget=settings.kv_budget, **settings.batch_options()).validate()
+    if lm is None:
+        if settings.threads is not None:
+            if settings.threads < 1:
+                raise InvalidArgumentError(f"--threads must be >= 1, got {settings.threads}")
+            torch.set_num_threads(settings.threads)
+        lm = load(settings.model, dtype=settings.dtype, max_seq_len=settings.ctx_size, weights=settings.weights)
+    modes = {spec: lm.mode(spec) for spec in settings.mode_specs()}
+    scheduler = lm.scheduler(kv_budget=settings.kv_budget, **settings.batch_options())
+    for m in modes.values():  # the scheduler's own refusals (eviction + speculative, sparse attention) at startup
+        scheduler.check([0], None, m, 1)
+    metrics = ServerMetrics(lm.engine.num_layers)
+    engine = ServingEngine(scheduler, on_step=metrics.update_pool).start()
+    return ServerState(settings, lm, modes, engine, metrics)
+
+
+# -- per-request work -----------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Choice:
+    """One prompt of a request under the engine."""
+
+    index: int
+    request_id: str
+    prompt_n: int
+    det: Detokenizer
+    t_submit: float
+    done: bool = False  # no more text for this choice
+    finished: Finished | None = None
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _map_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), "rate_limit_error", None, "queue_full")
+    if isinstance(exc, ContextLengthError):
+        return bad(str(exc), "prompt", "context_length_exceeded")
+    if isinstance(exc, PoolFullError):  # a request that could never fit the KV budget
+        return bad(str(exc), "max_tokens", "kv_budget_exceeded")
+    if isinstance(exc, InvalidArgumentError):
+        return bad(str(exc))
+    if isinstance(exc, NonFiniteLogitsError):
+        return APIError(500, str(exc), "server_error", None, "non_finite_logits")
+    if isinstance(exc, LaserLMError):
+        return bad(str(exc))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+
+
+class Server:
+    """The routes' logic over a :class:`ServerState` (kept apart from FastAPI so it reads top to bottom)."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.tokenizer = state.lm.tokenizer
+        self.eos_ids = state.lm.eos_ids
+        self.max_seq_len = state.lm.engine.max_seq_len
+
+    # -- checks ---------------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.state.settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid API key: send 'Authorization: Bearer <key>' with the server's --api-key",
+                           "authentication_error", None, "invalid_api_key")
+
+    def check_model(self, name: str) -> None:
+        if name != self.state.settings.name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {self.state.settings.name!r}",
+                           "invalid_request_error", "model", "model_not_found")
+
+    def pick_mode(self, spec: str | None):
+        modes = self.state.modes
+        if spec is None:
+            return next(iter(modes.values()))
+        if spec not in modes:
+            raise bad(f"mode {spec!r} is not allowed on this server; allowed: {', '.join(modes)} (start the server "
+                      "with --allow-mode SPEC to add one)", "mode", "mode_not_allowed")
+        return modes[spec]
+
+    def encode(self, req: ParsedRequest) -> list[torch.Tensor]:
+        out = []
+        for p in req.prompts:
+            try:
+                if req.kind == "chat":
+                    ids = encode_prompt(self.tokenizer, p, True, self.max_seq_len)
+                elif isinstance(p, str):
+                    ids = encode_prompt(self.tokenizer, p, False, self.max_seq_len)
+                else:
+                    ids = torch.tensor(p, dtype=torch.long)
+                    if ids.numel() >= self.max_seq_len:
+                        raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is "
+                                                 f"{self.max_seq_len}")
+            except LaserLMError as exc:
+                raise _map_error(exc) from None
+            room = self.max_seq_len - ids.numel()
+            if req.max_tokens_given and req.params.max_new_tokens > room:
+                raise bad(f"prompt ({ids.numel()} tokens) plus max_tokens ({req.params.max_new_tokens}) exceeds the "
+                          f"context size of {self.max_seq_len} tokens; lower max_tokens or shorten the prompt",
+                          "max_tokens", "context_length_exceeded")
+            out.append(ids)
+        return out
+
+    def prepare(self, req: ParsedRequest):
+        self.check_model(req.model)
+        mode = self.pick_mode(req.mode)
+        ids = self.encode(req)
+        params = req.params
+        if not req.max_tokens_given and req.kind == "chat":
+            room = min(self.max_seq_len - i.numel() for i in ids)
+            params = dataclasses.replace(params, max_new_tokens=max(1, min(self.state.settings.default_max_tokens,
+                                                                            room)))
+        try:
+            params.validate()
+        except InvalidArgumentError as exc:
+            raise bad(str(exc)) from None
+        return mode, ids, params
+
+    # -- running ----------------------------------------------------------------------------------------
+    async def submit(self, mode, ids: list[torch.Tensor], params) -> tuple[list[Choice], asyncio.Queue]:
+        engine = self.state.engine
+        choices: list[Choice] = []
+        out: asyncio.Queue | None = None
+        try:
+            for i, p in enumerate(ids):
+                t0 = time.perf_counter()
+                rid, q = await engine.submit(p, params, mode, out=out)
+                out = q
+                choices.append(Choice(i, rid, int(p.numel()), Detokenizer(self.tokenizer, params, self.eos_ids), t0))
+        except BaseException as exc:
+            for c in choices:  # all prompts or none
+                engine.cancel(c.request_id)
+            if isinstance(exc, RuntimeError) and not engine.alive:
+                raise APIError(503, "the engine is not running", "server_error", None, "engine_stopped") from None
+            raise _map_error(exc) from None
+        return choices, out
+
+    async def events(self, choices: list[Choice], out: asyncio.Queue, request: Request):
+        """Yield ``(choice, piece)`` as text arrives and ``(choice, None)`` when a choice ends; cancels what is
+        left when the client disconnects or the consumer stops."""
+        by_rid = {c.request_id: c for c in choices}
+        engine = self.state.engine
+        getter = None
+        checked = time.monotonic()
+        try:
+            while not all(c.finished for c in choices):
+                if getter is None:
+                    getter = asyncio.ensure_future(out.get())
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:  # also while tokens flow
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise ClientGone()
+                if not done:
+                    continue
+                item, getter = getter.result(), None
+                c = by_rid[item.request_id]
+                if isinstance(item, TokenBatch):
+                    if c.done:
+                        continue
+                    for ev in item.events:
+                        piece, stop = c.det.push(ev)
+                        if piece:
+                            yield c, piece
+                        if stop:  # EOS or a stop string: the engine may still be running it
+                            c.done = True
+                            engine.cancel(c.request_id)
+                            break
+                    continue
+                c.finished = item
+                if item.reason == "error":
+                    raise _map_error(item.error)
+                if not c.done:
+                    tail = c.det.flush()
+                    c.done = True
+                    if tail:
+                        yield c, tail
+                self.record(c)
+                yield c, None
+        finally:
+            if getter is not None:
+                getter.cancel()
+            for c in choices:
+                if c.finished is None:
+                    engine.cancel(c.request_id)
+                    self.state.metrics.success.labels(finished_reason="abort").inc()
+
+    @staticmethod
+    def finish_reason(c: Choice) -> str:
+        if c.det.finish in ("eos", "stop"):
+            return "stop"
+        return "length"
+
+    def record(self, c: Choice) -> None:
+        t = self.timings([c])
+        self.state.metrics.observe_request(
+            c.prompt_n, len(c.det.ids), self.finish_reason(c), c.det.ttft if c.det.layers else None, c.det.itl,
+            time.perf_counter() - c.t_submit, c.det.layers, t["draft_n"], t["draft_n_accepted"])
+
+    @staticmethod
+    def timings(choices: list[Choice]) -> dict:
+        prompt_n = sum(c.prompt_n for c in choices)
+        predicted_n = sum(len(c.det.ids) for c in choices)
+        ttfts = [c.det.ttft for c in choices if c.det.layers]
+        itl = [s for c in choices for s in c.det.itl]
+        predicted_s = max((sum(c.det.itl) for c in choices), default=0.0)
+        draft_n = accepted = 0
+        for c in choices:
+            spec = (c.finished.summary if c.finished else {}).get("speculative", {})
+            draft_n += int(spec.get("drafted", 0))
+            accepted += int(spec.get("accepted", 0))
+        layers = [n for c in choices for n in c.det.layers]
+        infos = [i for c in choices for i in c.det.events]
+        out = {
+            "prompt_n": prompt_n,
+            "prompt_ms": round(max(ttfts) * 1e3, 3) if ttfts else None,
+            "predicted_n": predicted_n,
+            "predicted_ms": round(predicted_s * 1e3, 3),
+            "predicted_per_second": round(len(itl) / sum(itl), 3) if itl and sum(itl) > 0 else None,
+            "draft_n": draft_n,
+            "draft_n_accepted": accepted,
+            "layers_per_token": round(sum(layers) / len(layers), 3) if layers else None,
+        }
+        hist = summarize_events(infos).get("exit_layer_histogram")
+        if hist:
+            out["exit_layer_histogram"] = hist
+        return out
+
+    @staticmethod
+    def usage(choices: list[Choice]) -> dict:
+        p = sum(c.prompt_n for c in choices)
+        g = sum(len(c.det.ids) for c in choices)
+        return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
+
+    # -- endpoints ----------------------------------------------------------------------------------------
+    async def complete(self, request: Request, kind: str):
+        self.check_auth(request)
+        body = parse_json(await request.body())
+        req = parse_completion(body) if kind == "completion" else parse_chat(body)
+        mode, ids, params = self.prepare(req)
+        choices, out = await self.submit(mode, ids, params)
+        rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(self.sse(req, rid, created, choices, out, request),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async for _c, _piece in self.events(choices, out, request):
+                pass
+        except ClientGone:
+            return Response(status_code=499)
+        return JSONResponse(self.body(req, rid, created, choices))
+
+    def body(self, req: ParsedRequest, rid: str, created: int, choices: list[Choice]) -> dict:
+        model = self.state.settings.name
+        if req.kind == "completion":
+            items = [{"index": c.index, "text": c.det.text, "logprobs": None, "finish_reason": self.finish_reason(c)}
+                     for c in choices]
+            obj = "text_completion"
+        else:
+            items = [{"index": c.index, "message": {"role": "assistant", "content": c.det.text},
+                      "logprobs": None, "finish_reason": self.finish_reason(c)} for c in choices]
+            obj = "chat.completion"
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": items,
+                "usage": self.usage(choices), "timings": self.timings(choices)}
+
+    async def sse(self, req: ParsedRequest, rid: str, created: int, choices: list[Choice], out, request: Request):
+        model = self.state.settings.name
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(items: list, **extra) -> str:
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                          "choices": items, **extra}) + "\n\n"
+
+        def item(c: Choice, piece: str | None, finish: str | None) -> dict:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                return {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": c.index, "text": piece or "", "logprobs": None, "finish_reason": finish}
+
+        try:
+            if chat:
+                for c in choices:
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+            async for c, piece in self.events(choices, out, request):
+                if piece is not None:
+                    yield chunk([item(c, piece, None)])
+                else:
+                    yield chunk([item(c, None, self.finish_reason(c))], timings=self.timings([c]))
+            if req.include_usage:
+                yield chunk([], usage=self.usage(choices))
+            yield "data: [DONE]\n\n"
+        except APIError as err:  # the stream has started: the error goes in the stream (as vLLM does)
+            self.state.metrics.errors.labels(code=err.code or str(err.status)).inc()
+            yield "data: " + json.dumps(err.body()) + "\n\n"
+            yield "data: [DONE]\n\n"
+        except ClientGone:
+            return
+
+    def models(self, request: Request) -> dict:
+        self.check_auth(request)
+        s = self.state
+        return {"object": "list", "data": [{"id": s.settings.name, "object": "model", "created": s.created,
+                                            "owned_by": "laserlm", "max_model_len": self.max_seq_len,
+                                            "modes": list(s.modes)}]}
+
+
+def build_app(settings: ServerSettings | None = None, lm=None, state: ServerState | None = None) -> FastAPI:
+    """The FastAPI app of ``laserlm serve`` (loads the model and starts the engine thread unless ``state`` is
+    given). Used by uvicorn in ``laserlm serve`` and by each Ray Serve replica (:mod:`laserlm.serve.ray_serve`).
+
+    Raises:
+        LaserLMError: as :func:`load_state`.
+    """
+    state = state or load_state(settings or ServerSettings(), lm)
+    server = Server(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        state.close()
+
+    app = FastAPI(title="laserlm", description="OpenAI-compatible server of laserlm (adaptive-compute inference)",
+                  lifespan=lifespan)
+    app.state.laserlm = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        if exc.status >= 400:
+            state.metrics.errors.labels(code=exc.code or str(exc.status)).inc()
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(APIError(exc.status_code, str(exc.detail), kind, None, str(exc.status_code)))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request, exc: RequestValidationError):
+        return _error_response(bad(f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc: Exception):
+        log.exception("request failed")
+        err = _map_error(exc)
+        state.metrics.errors.labels(code=err.code or str(err.status)).inc()
+        return _error_response(err)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.complete(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.complete(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        return server.models(request)
+
+    @app.get("/health")
+    async def health():
+        if not state.engine.alive:
+            return JSONResponse({"status": "error", "detail": "engine thread stopped"}, status_code=503)
+        return {"status": "ok", "pid": os.getpid()}  # the pid tells Ray Serve replicas apart
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

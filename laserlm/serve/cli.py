@@ -1,0 +1,106 @@
+"""``laserlm serve``: the OpenAI-compatible server (uvicorn), or N replicas behind Ray Serve (``--replicas``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..cli_common import add_model_args, add_mode_args
+from ..errors import LaserLMError
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serve a model over the OpenAI API (completions, chat, streaming, /metrics)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Serve a model over an OpenAI-compatible HTTP API with continuous batching over a paged KV "
+                    "pool.\n\nEndpoints: POST /v1/completions, POST /v1/chat/completions (\"stream\": true for "
+                    "server-sent events), GET /v1/models, GET /health, GET /metrics (Prometheus).\nA request may "
+                    "name a decoding mode in its \"mode\" field: the --mode spec or one given with --allow-mode.\n\n"
+                    "Example:\n  laserlm serve --model smollm2-135m --port 8000\n  curl localhost:8000/v1/completions "
+                    "-H 'Content-Type: application/json' \\\n    -d '{\"model\": \"smollm2-135m\", \"prompt\": "
+                    "\"The capital of France is\", \"max_tokens\": 16, \"temperature\": 0}'")
+    add_model_args(p)
+    add_mode_args(p)
+    p.add_argument("--laser", default=None, metavar="PATH",
+                   help="calibration artifact from `laserlm calibrate` for the default mode (as `generate --laser`)")
+    p.add_argument("--allow-mode", action="append", default=[], metavar="SPEC",
+                   help="a further mode spec requests may ask for in their \"mode\" field (repeatable; every "
+                        "allowed mode is built at startup)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model name clients send (default: the --model value)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1 requests (default: $LASERLM_API_KEY, else none)")
+    g = p.add_argument_group("KV pool and batching")
+    g.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="KV pool size: MiB (512, 512MiB, 2GiB) or tokens (8192t) (default: 512MiB)")
+    g.add_argument("--max-batch", type=int, default=16, help="requests running at once (default: %(default)s)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting at most; more get HTTP 429 (default: %(default)s)")
+    g.add_argument("--page-size", type=int, default=16, help="positions per KV page (default: %(default)s)")
+    g.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step (default: %(default)s)")
+    g.add_argument("--eviction", default=None, metavar="POLICY",
+                   help="none, streaming[:sinks=4,window=256] or depth_lru[:budget=512,sinks=4,recent=64]")
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt pages between requests")
+    g.add_argument("--default-max-tokens", type=int, default=512,
+                   help="chat requests without max_tokens generate at most this many tokens (default: %(default)s)")
+    r = p.add_argument_group("scale-out")
+    r.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="run N replicas behind Ray Serve on a local Ray cluster (or RAY_ADDRESS) instead of one "
+                        "uvicorn process")
+    r.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves per replica (default: %(default)s)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: %(default)s)")
+    p.set_defaults(func=cmd_serve)
+
+
+def settings_from_args(args):
+    from .app import ServerSettings  # noqa: PLC0415
+
+    if args.attention != "dense":
+        raise LaserLMError("the server runs dense attention (block-sparse attention does not run on the paged KV "
+                           "pool yet)")
+    for name in ("port",):
+        v = getattr(args, name)
+        if not 0 < v < 65536:
+            raise LaserLMError(f"--port must be in 1-65535, got {v}")
+    if args.default_max_tokens < 1:
+        raise LaserLMError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.replicas is not None and args.replicas < 1:
+        raise LaserLMError(f"--replicas must be >= 1, got {args.replicas}")
+    return ServerSettings(
+        model=args.model, served_model_name=args.served_model_name, mode=args.mode, allowed_modes=args.allow_mode,
+        laser=args.laser, weights=args.weights, dtype=args.dtype, ctx_size=args.ctx_size, threads=args.threads,
+        kv_budget=args.kv_budget, max_batch=args.max_batch, max_queue=args.max_queue, page_size=args.page_size,
+        prefill_chunk=args.prefill_chunk, eviction=args.eviction, prefix_cache=not args.no_prefix_cache,
+        api_key=args.api_key or os.environ.get("LASERLM_API_KEY") or None,
+        default_max_tokens=args.default_max_tokens)
+
+
+def cmd_serve(args) -> int:
+    settings = settings_from_args(args)
+    from ..defaults import check_before_load  # noqa: PLC0415
+    from ..runtime.scheduler import BatchConfig  # noqa: PLC0415
+
+    BatchConfig(kv_budget=settings.kv_budget, **settings.batch_options()).validate()  # before the model loads
+    check_before_load(settings.model, settings.mode_specs())
+    if args.replicas is not None:
+        from .ray_serve import run_replicas  # noqa: PLC0415
+
+        return run_replicas(settings, args.replicas, host=args.host, port=args.port, num_cpus=args.replica_cpus)
+    import uvicorn  # noqa: PLC0415
+
+    from .app import build_app  # noqa: PLC0415
+
+    app = build_app(settings)
+    state = app.state.laserlm
+    print(f"laserlm: serving {settings.name} ({state.lm.describe()}; modes: {', '.join(state.modes)}; KV pool "
+          f"{state.engine.scheduler.pool.describe()}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
+          flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

@@ -1,0 +1,242 @@
+"""OpenAI request bodies -> laserlm requests, laserlm results -> OpenAI response bodies, and OpenAI's error JSON.
+
+The fields follow the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``) as vLLM and
+llama.cpp's server accept them: ``max_tokens`` (``max_completion_tokens`` for chat), ``temperature`` (default
+1.0, as OpenAI), ``top_p``, ``top_k`` (vLLM's extension; 0 or -1 = off), ``stop``, ``seed``, ``stream``,
+``stream_options.include_usage``, plus laserlm's ``mode`` (a mode spec the server allows). Fields laserlm does
+not implement (``n > 1``, ``logprobs``, ``echo``, penalties, ``logit_bias``, tools) are refused with a 400
+naming the field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
+
+Every error is an :class:`APIError`, rendered as ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from ..runtime.sampling import SamplingParams
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON and an HTTP status.
+
+    Args:
+        status: HTTP status (400 invalid request, 401 bad key, 404 unknown model or route, 429 queue full,
+            500 engine failure, 503 not ready).
+        message: what went wrong and what to change.
+        type: OpenAI's error type (``invalid_request_error``, ``authentication_error``, ...).
+        param: the request field at fault, if any.
+        code: a short machine-readable code (``model_not_found``, ``context_length_exceeded``, ...).
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",  # noqa: A002
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, "invalid_request_error", param, code)
+
+
+@dataclass
+class ParsedRequest:
+    """A validated request.
+
+    Attributes:
+        kind: ``"completion"`` or ``"chat"``.
+        model: the ``model`` field.
+        prompts: texts or token-id lists (completions: one or more; chat: one list of messages).
+        params: sampling parameters (``max_new_tokens`` is the request's ``max_tokens``).
+        max_tokens_given: whether the body set ``max_tokens`` (chat defaults to the room left in the context).
+        mode: the requested mode spec (``None``: the server's default).
+        stream, include_usage: streaming and its usage chunk.
+    """
+
+    kind: str
+    model: str
+    prompts: list
+    params: SamplingParams
+    max_tokens_given: bool
+    mode: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object.
+
+    Raises:
+        APIError: 400 for a body that is not JSON or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _int(body: dict, name: str, lo: int | None = None, default=None):
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"'{name}' must be an integer, got {v!r}", name)
+    if lo is not None and v < lo:
+        raise bad(f"'{name}' must be >= {lo}, got {v}", name)
+    return v
+
+
+def _num(body: dict, name: str, default: float) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
+        raise bad(f"'{name}' must be a finite number, got {v!r}", name)
+    return float(v)
+
+
+def _unsupported(body: dict) -> None:
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        raise bad("'n' must be 1: laserlm returns one choice per prompt", "n")
+    if body.get("best_of") not in (None, 1):
+        raise bad("'best_of' is not supported (use 1)", "best_of")
+    for name in ("logprobs", "top_logprobs", "echo"):
+        if body.get(name) not in (None, False, 0):
+            raise bad(f"'{name}' is not supported by laserlm's server", name)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if body.get(name) not in (None, 0, 0.0):
+            raise bad(f"'{name}' is not supported by laserlm's server (use 0)", name)
+    if body.get("logit_bias"):
+        raise bad("'logit_bias' is not supported by laserlm's server", "logit_bias")
+    if body.get("tools") or body.get("functions"):
+        raise bad("tool calling is not supported by laserlm's server", "tools")
+    if body.get("suffix"):
+        raise bad("'suffix' is not supported by laserlm's server", "suffix")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise bad("'response_format' other than text is not supported", "response_format")
+
+
+def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+    temperature = _num(body, "temperature", 1.0)
+    if temperature < 0:
+        raise bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
+    top_p = _num(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
+    top_k = _int(body, "top_k", default=0)
+    if top_k < -1:
+        raise bad(f"'top_k' must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
+    seed = _int(body, "seed", lo=0)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
+        raise bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("'ignore_eos' must be true or false", "ignore_eos")
+    return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
+                          seed=seed, stop=stop, ignore_eos=ignore_eos)
+
+
+def _common(body: dict) -> dict:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("'model' is required (see GET /v1/models)", "model")
+    _unsupported(body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be true or false", "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    include_usage = bool((opts or {}).get("include_usage", False))
+    if opts and not stream:
+        raise bad("'stream_options' needs 'stream': true", "stream_options")
+    mode = body.get("mode")
+    if mode is not None and (not isinstance(mode, str) or not mode.strip()):
+        raise bad("'mode' must be a mode spec string such as 'full'", "mode")
+    return {"model": model, "stream": stream, "include_usage": include_usage,
+            "mode": mode.strip() if mode else None}
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    """Validate a ``/v1/completions`` body. ``prompt``: a string, a list of strings, a list of token ids, or a
+    list of token-id lists.
+
+    Raises:
+        APIError: 400 naming the bad field.
+    """
+    common = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        prompts = [list(prompt)]
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)
+          and all(isinstance(t, int) and not isinstance(t, bool) for p in prompt for t in p)):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad("'prompt' must be a string, a list of strings, or token ids", "prompt")
+    if any(isinstance(p, str) and not p.strip() for p in prompts):
+        raise bad("'prompt' is empty: give some text to continue", "prompt")
+    given = body.get("max_tokens") is not None
+    max_tokens = _int(body, "max_tokens", lo=1, default=COMPLETION_DEFAULT_MAX_TOKENS)
+    return ParsedRequest("completion", common["model"], prompts, _sampling(body, max_tokens), given,
+                         common["mode"], common["stream"], common["include_usage"])
+
+
+def _message_text(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` body (``messages``: ``[{"role", "content"}]``, content a string or a
+    list of ``{"type": "text", "text"}`` parts).
+
+    Raises:
+        APIError: 400 naming the bad field.
+    """
+    common = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a 'role' and a 'content'", "messages")
+        if m["role"] not in ("system", "user", "assistant", "developer"):
+            raise bad(f"messages[{i}].role {m['role']!r} is not supported (system, user, assistant)", "messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        clean.append({"role": role, "content": _message_text(m.get("content"), i)})
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    given = body.get(name) is not None
+    max_tokens = _int(body, name, lo=1, default=1)
+    return ParsedRequest("chat", common["model"], [clean], _sampling(body, max_tokens), given,
+                         common["mode"], common["stream"], common["include_usage"])

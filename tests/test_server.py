@@ -1,0 +1,302 @@
+"""``laserlm serve`` against a real server process on 127.0.0.1 (started and stopped by the fixtures), driven by the
+official ``openai`` client and by raw HTTP: outputs equal offline ``generate`` (an independent path: no scheduler,
+no HTTP), every documented error status and body, a bounded load test of 16 concurrent streaming clients with one
+killed mid-stream, and ``/metrics`` parsed with prometheus_client and checked against the requests sent."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from server_helpers import ServerProcess, http, metrics
+
+openai = pytest.importorskip("openai")
+
+KEY = "sk-laserlm-test"
+MODEL = "smollm2-135m"
+ADAPTIVE = "adaptive:policy=confidence,threshold=0.9,patience=1"
+NGRAM = "speculative:draft=ngram"
+CTX = 512
+BUDGET_MIB = 24  # 1024 pages of 16 positions x 30 layers: 16 requests of ~40 positions do not all fit at once
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess(["--model", MODEL, "--weights", "fp32", "--threads", "1", "--ctx-size", str(CTX),
+                         "--api-key", KEY, "--kv-budget", str(BUDGET_MIB), "--allow-mode", ADAPTIVE,
+                         "--allow-mode", NGRAM, "--max-batch", "16"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+
+
+def test_openai_client_completion_chat_and_streaming(server, client, smol):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    ref = smol.generate(PROMPTS[0], max_new_tokens=12)
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    assert r.usage.prompt_tokens == ref.prompt_tokens and r.usage.completion_tokens == len(ref.token_ids)
+    timings = r.model_extra["timings"]
+    assert timings["prompt_n"] == ref.prompt_tokens and timings["predicted_n"] == len(ref.token_ids)
+    assert timings["layers_per_token"] == 30.0 and timings["draft_n"] == 0
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    c = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    cref = smol.generate(messages, chat=True, max_new_tokens=16)
+    assert c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == cref.text
+    assert c.object == "chat.completion"
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == cref.text
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason is not None]
+    assert len(finals) == 1 and finals[0].model_extra["timings"]["predicted_n"] == len(cref.token_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(cref.token_ids)
+
+    stream = list(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in stream) == smol.generate(PROMPTS[1], max_new_tokens=10).text
+
+
+def test_raw_sse_format_and_done(server):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "stream": True}
+    status, text = http("POST", server.url + "/v1/completions", body, AUTH)
+    assert status == 200
+    events = [ln for ln in text.split("\n\n") if ln]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    objs = [json.loads(e[6:]) for e in events[:-1]]
+    assert {o["object"] for o in objs} == {"text_completion"} and objs[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("mode", ["full", ADAPTIVE, NGRAM])
+def test_greedy_over_http_equals_offline_generate(server, client, smol, mode):
+    for prompt in PROMPTS:
+        extra = {} if mode == "full" else {"mode": mode}
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body=extra)
+        ref = smol.generate(prompt, mode=mode, max_new_tokens=20)
+        assert r.choices[0].text == ref.text, (mode, prompt)
+        t = r.model_extra["timings"]
+        if mode == ADAPTIVE:  # the adaptive mode's own layers per token and exit histogram
+            assert t["layers_per_token"] == pytest.approx(ref.mean_layers_per_token, abs=1e-3)
+            assert t["exit_layer_histogram"] == ref.extra["exit_layer_histogram"]
+        if mode == NGRAM:
+            spec = ref.extra["speculative"]
+            assert (t["draft_n"], t["draft_n_accepted"]) == (spec["drafted"], spec["accepted"])
+
+
+def test_stop_strings_and_sampling_seed(server, client, smol):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=40, temperature=0, stop=[" the"])
+    ref = smol.generate(PROMPTS[2], max_new_tokens=40, stop=[" the"])
+    assert ref.finish_reason == "stop"  # the stop string does occur in this continuation
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "stop"
+    kw = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.9, "top_p": 0.9, "seed": 7}
+    a = client.completions.create(**kw, extra_body={"top_k": 40})
+    b = client.completions.create(**kw, extra_body={"top_k": 40})
+    ref = smol.generate(PROMPTS[0], max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=7)
+    assert a.choices[0].text == b.choices[0].text == ref.text
+
+
+def _error(status: int, body, expect_status: int, code=None, param=None):
+    assert status == expect_status, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": "ten"}, "max_tokens"), ({"n": 2}, "n"), ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"),
+    ({"stop": [""]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": 2}, "logprobs"),
+    ({"stream": "yes"}, "stream"), ({"model": None}, "model"), ({"prompt": [10**9]}, None),
+])
+def test_invalid_parameters_are_400(server, patch, param):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **patch}
+    _error(*http("POST", server.url + "/v1/completions", body, AUTH), 400, param=param)
+
+
+def test_documented_error_statuses(server):
+    url = server.url
+    _error(*http("POST", url + "/v1/completions", raw=b"{not json", headers=AUTH), 400)
+    _error(*http("POST", url + "/v1/completions", raw=b"[1, 2]", headers=AUTH), 400)
+    _error(*http("POST", url + "/v1/chat/completions", {"model": MODEL, "messages": []}, AUTH), 400, param="messages")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
+    _error(*http("POST", url + "/v1/completions", {**body, "mode": "adaptive:policy=confidence,threshold=0.5"},
+                 AUTH), 400, "mode_not_allowed", "mode")
+    _error(*http("POST", url + "/v1/completions", {**body, "prompt": "word " * (CTX + 10)}, AUTH), 400,
+           "context_length_exceeded")
+    _error(*http("POST", url + "/v1/completions", {**body, "max_tokens": CTX}, AUTH), 400, "context_length_exceeded")
+    _error(*http("POST", url + "/v1/completions", body), 401, "invalid_api_key")
+    _error(*http("POST", url + "/v1/completions", body, {"Authorization": "Bearer wrong"}), 401, "invalid_api_key")
+    _error(*http("GET", url + "/v1/models"), 401)
+    _error(*http("POST", url + "/v1/completions", {**body, "model": "gpt-4"}, AUTH), 404, "model_not_found", "model")
+    _error(*http("GET", url + "/v1/nothing-here", headers=AUTH), 404)
+    status, models = http("GET", url + "/v1/models", headers=AUTH)
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["modes"] == ["full", ADAPTIVE, NGRAM]
+    assert http("GET", url + "/health")[0] == 200  # still up after all of it
+    # the official client maps the statuses to its exception types
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="nope", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=-3)
+
+
+def test_metrics_parse_and_match_the_requests_sent(server, client):
+    before = metrics(server.url)
+    usages = []
+    for i in range(3):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=5 + i, temperature=0)
+        usages.append(r.usage)
+    http("POST", server.url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "temperature": -1}, AUTH)
+    after = metrics(server.url)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("laserlm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("laserlm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("laserlm:time_to_first_token_seconds_count") == 3
+    assert delta("laserlm:e2e_request_latency_seconds_count") == 3
+    assert delta("laserlm:layers_per_token_count") == sum(u.completion_tokens for u in usages)
+    assert sum(delta(k) for k in after if k.startswith("laserlm:request_success_total")) == 3
+    assert sum(delta(k) for k in after if k.startswith("laserlm:request_errors_total")) == 1
+    for name in ("laserlm:num_requests_running", "laserlm:num_requests_waiting", "laserlm:kv_cache_usage_perc"):
+        assert name in after
+
+
+def _stream_tokens(url: str, prompt: str, max_tokens: int, out: dict, key: int) -> None:
+    c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
+    pieces, usage, finish = [], None, None
+    for ch in c.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+                                   stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+        if ch.choices:
+            pieces.append(ch.choices[0].text)
+            finish = ch.choices[0].finish_reason or finish
+        if ch.usage is not None:
+            usage = ch.usage
+    out[key] = ("".join(pieces), usage, finish)
+
+
+def _kill_mid_stream(url: str, seen: threading.Event) -> None:
+    """A client that reads a few events of a long stream, then drops the connection."""
+    body = json.dumps({"model": MODEL, "prompt": "Count to one hundred:", "max_tokens": 400, "temperature": 0,
+                       "stream": True, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    got = b""
+    while got.count(b"data: ") < 4:
+        got += s.recv(4096)
+    seen.set()
+    s.close()
+
+
+def test_16_concurrent_streams_one_killed(server, smol):
+    """16 streaming clients (4 prompts x 4 lengths) plus one killed mid-stream: each gets exactly its tokens and
+    the offline greedy text of its prompt, the pool never holds more than its budget, and the killed client's pages
+    are freed (usage back to 0 once everything finished)."""
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], "The three primary colors are"]
+    lengths = [8, 12, 16, 20]
+    refs = {(p, n): smol.generate(p, max_new_tokens=n, ignore_eos=True).text for p in prompts for n in lengths}
+    before = metrics(server.url)
+    out: dict = {}
+    seen = threading.Event()
+    threads = [threading.Thread(target=_stream_tokens, args=(server.url, p, n, out, (p, n)))
+               for p in prompts for n in lengths]
+    killer = threading.Thread(target=_kill_mid_stream, args=(server.url, seen))
+    killer.start()
+    for t in threads:
+        t.start()
+    t0 = time.monotonic()
+    for t in threads + [killer]:
+        t.join(timeout=max(1.0, 600 - (time.monotonic() - t0)))
+    assert seen.is_set() and not any(t.is_alive() for t in threads)
+    assert len(out) == 16
+    for (p, n), (text, usage, finish) in out.items():
+        assert usage.completion_tokens == n and finish == "length", (p, n)
+        assert text == refs[(p, n)], (p, n)  # nothing lost, duplicated or mixed up between requests
+    deadline = time.monotonic() + 60
+    while True:  # the killed request is cancelled at the engine's next iteration
+        m = metrics(server.url)
+        if m["laserlm:num_requests_running"] == 0 and m["laserlm:kv_cache_usage_perc"] == 0:
+            break
+        assert time.monotonic() < deadline, "the killed client's request still holds pages"
+        time.sleep(0.5)
+    assert m["laserlm:kv_cache_reserved_perc"] == 0
+    assert 0 < m["laserlm:kv_cache_peak_usage_perc"] <= 1.0
+    assert m["laserlm:kv_cache_capacity_bytes"] <= BUDGET_MIB * 2**20
+    aborted = m.get("laserlm:request_success_total{finished_reason=abort}", 0) - before.get(
+        "laserlm:request_success_total{finished_reason=abort}", 0)
+    assert aborted == 1
+    assert http("GET", server.url + "/health")[0] == 200
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    """One request at a time, one waiting, a 512-token KV budget."""
+    srv = ServerProcess(["--model", MODEL, "--weights", "fp32", "--threads", "1", "--ctx-size", "1024",
+                         "--kv-budget", "512t", "--max-batch", "1", "--max-queue", "1"])
+    yield srv
+    srv.stop()
+
+
+def test_queue_full_is_429_and_too_big_is_400(small_server):
+    url = small_server.url
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 600}
+    _error(*http("POST", url + "/v1/completions", body), 400, "kv_budget_exceeded")
+    results = {}
+
+    def run(i, n):
+        results[i] = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": "Hello there", "max_tokens": n,
+                                                           "temperature": 0, "ignore_eos": True})
+
+    a = threading.Thread(target=run, args=("a", 120))
+    a.start()
+    deadline = time.monotonic() + 60
+    while metrics(url)["laserlm:num_requests_running"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    b = threading.Thread(target=run, args=("b", 4))
+    b.start()
+    while metrics(url)["laserlm:num_requests_waiting"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    status, err = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    _error(status, err, 429, "queue_full")
+    a.join(300)
+    b.join(300)
+    assert results["a"][0] == 200 and results["a"][1]["usage"]["completion_tokens"] == 120
+    assert results["b"][0] == 200 and results["b"][1]["usage"]["completion_tokens"] == 4
+
+
+def test_serve_refuses_bad_flags_before_loading(capsys):
+    from laserlm.cli import main
+
+    for argv, msg in [(["--port", "70000"], "--port"), (["--attention", "sparse"], "dense attention"),
+                      (["--kv-budget", "lots"], "budget"), (["--max-batch", "0"], "max_batch"),
+                      (["--replicas", "0"], "--replicas"), (["--eviction", "fifo"], "eviction")]:
+        assert main(["serve", *argv]) == 2
+        assert msg in capsys.readouterr().err
