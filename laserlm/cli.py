@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from .cli_common import add_mode_args, add_model_args, laser_mode_spec, load_from_args  # noqa: F401 (re-export)
+from .cli_common import add_batch_args, add_mode_args, add_model_args, laser_mode_spec, load_from_args  # noqa: F401 (re-export)
 from .errors import InvalidArgumentError, LaserLMError
 
 EXIT_USAGE = 2
@@ -89,15 +89,7 @@ def _add_batch(sub) -> None:
     add_mode_args(p)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to every prompt")
     _add_sampling_args(p)
-    p.add_argument("--kv-budget", default=None, metavar="SIZE",
-                   help="KV pool size: MiB (512, 512MiB, 2GiB) or tokens (8192t) (default: 512MiB)")
-    p.add_argument("--max-batch", type=int, default=16, help="requests running at once (default: %(default)s)")
-    p.add_argument("--page-size", type=int, default=16, help="positions per KV page (default: %(default)s)")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens prefilled per step (default: %(default)s)")
-    p.add_argument("--eviction", default=None, metavar="POLICY",
-                   help="none, streaming[:sinks=4,window=256] or depth_lru[:budget=512,sinks=4,recent=64]")
-    p.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt pages between requests")
+    add_batch_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_batch)
 

@@ -207,3 +207,21 @@ def laser_mode_spec(mode: str, laser: str) -> str:
     if name not in ("adaptive", "speculative"):
         raise LaserLMError(f"--laser works with the adaptive mode and the speculative mode, not '{name}'")
     return f"{name}:{rest},laser={laser}" if rest else f"{name}:laser={laser}"
+
+
+def add_batch_args(p, queue_help: str | None = None) -> None:
+    """The KV pool and continuous-batching flags (``laserlm batch``, ``laserlm serve``); ``queue_help`` adds
+    ``--max-queue``."""
+    g = p.add_argument_group("KV pool and batching")
+    g.add_argument("--kv-budget", default=None, metavar="SIZE",
+                   help="KV pool size: MiB (512, 512MiB, 2GiB) or tokens (8192t) (default: 512MiB)")
+    g.add_argument("--max-batch", type=int, default=16, help="requests running at once (default: %(default)s)")
+    if queue_help is not None:
+        g.add_argument("--max-queue", type=int, default=256, help=queue_help + " (default: %(default)s)")
+    g.add_argument("--page-size", type=int, default=16, help="positions per KV page (default: %(default)s)")
+    g.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step (default: %(default)s)")
+    g.add_argument("--eviction", default=None, metavar="POLICY",
+                   help="none, streaming[:sinks=4,window=256] or depth_lru[:budget=512,sinks=4,recent=64]")
+    g.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt pages between requests")
+    return g

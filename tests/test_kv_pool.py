@@ -57,7 +57,8 @@ def check_paged_equals_contiguous(engine, ids, prompt_len, page_size=16):
     torch.testing.assert_close(paged, ref, atol=2e-4, rtol=1e-4)
 
 
-def check_batch_rows(engine, seqs: list[torch.Tensor], steps: int, page_size: int = 16):
+def check_batch_rows(engine, seqs: list[torch.Tensor], steps: int, page_size: int = 16, atol: float = 2e-4,
+                     rtol: float = 1e-4):
     """Rows of different lengths decoded together through a PagedBatch give each row's own logits."""
     pool = KVPool.for_engine(engine, "64MiB", page_size=page_size)
     caches = [PagedCache(pool, s.shape[1] + steps) for s in seqs]
@@ -75,7 +76,7 @@ def check_batch_rows(engine, seqs: list[torch.Tensor], steps: int, page_size: in
             engine.commit(st)
             logits = engine.head(h)[:, -1]
         for r in range(len(seqs)):
-            torch.testing.assert_close(logits[r], alone[r][i], atol=2e-4, rtol=1e-4)
+            torch.testing.assert_close(logits[r], alone[r][i], atol=atol, rtol=rtol)
     assert [c.length for c in caches] == [s.shape[1] + steps for s in seqs]
     for c in caches:
         c.free()
@@ -95,6 +96,45 @@ def test_paged_batch_rows_on_smollm2(smol):
             ("Hello", "The capital of France is Paris and the capital of Spain is",
              "Once upon a time there was a little paged cache that")]
     check_batch_rows(smol.engine, seqs, steps=4)
+
+
+def test_paged_single_request_runs_the_native_layer_kernel(monkeypatch):
+    """On packed native weights a paged request with nothing evicted runs the compiled whole-layer kernel (its K/V
+    gathered from the pages, the new positions written back) and gives exactly the contiguous cache's logits; a
+    small batch runs it row by row (exactly each row alone), a larger one the PyTorch ops (close)."""
+    import laserlm
+    from laserlm.runtime import packed_layers
+
+    lm = laserlm.load("smollm2-135m", weights="native")
+    if packed_layers.kernels.ops() is None:
+        pytest.skip("the compiled kernels are not available here")
+    calls = {"kernel": 0, "fallback": 0}
+    real = packed_layers._native_layer
+
+    def counting(layer, hidden, cos, sin, cache):
+        out = real(layer, hidden, cos, sin, cache)
+        calls["kernel" if out is not None else "fallback"] += 1
+        return out
+
+    monkeypatch.setattr(packed_layers, "_native_layer", counting)
+    ids = torch.tensor([lm.tokenizer("Paged native decoding must read the same keys and values as the "
+                                     "contiguous cache, across a page boundary.")["input_ids"]])
+    prompt_len = ids.shape[1] - 6
+    contiguous = decode_logits(lm.engine, lm.engine.new_cache(ids.shape[1]), ids, prompt_len)
+    calls.update(kernel=0, fallback=0)
+    pool = KVPool.for_engine(lm.engine, "32MiB")
+    paged = decode_logits(lm.engine, PagedCache(pool, ids.shape[1]), ids, prompt_len)
+    assert calls["fallback"] == 0 and calls["kernel"] == 7 * lm.engine.num_layers  # prompt (< 16) + 6 steps
+    assert torch.equal(paged, contiguous)
+    # a small batch runs the kernel row by row: exactly each row alone
+    calls.update(kernel=0, fallback=0)
+    check_batch_rows(lm.engine, [ids[:, :5], ids[:, :11]], steps=3, atol=0, rtol=0)
+    assert calls["fallback"] == 0
+    # more rows than KERNEL_BATCH_ROWS: the packed PyTorch ops (the kernel's int8 activations round differently)
+    calls.update(kernel=0, fallback=0)
+    rows = [ids[:, :n] for n in range(3, 3 + packed_layers.KERNEL_BATCH_ROWS + 1)]
+    check_batch_rows(lm.engine, rows, steps=2, atol=5e-2, rtol=0)
+    assert calls["fallback"] == 2 * lm.engine.num_layers
 
 
 def test_paged_tiny_gemma3_sliding_window():

@@ -294,3 +294,26 @@ def test_adaptive_requests_batch_with_their_own_exits(smol):
     assert got == expected
     assert sched.stats["batched_rows"] >= 4 * 8 and sched.stats["single_steps"] == 0
     assert not make_mode("adaptive:policy=confidence,threshold=0.8,bridge=none", eng).batchable(eng)
+
+
+def test_speculative_requests_batch_above_the_threshold(smol):
+    """Speculative requests (n-gram drafts) under continuous batching: up to ``batch_above`` of them each run their
+    own draft + verify cycle; more take one plain batched full-depth step together. Either way greedy output is the
+    full model's (checked against full-depth decoding of each prompt alone)."""
+    eng, tok = smol.engine, smol.tokenizer
+    ids = [torch.tensor(tok(p)["input_ids"]) for p in PROMPTS[:4]]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = [[ev.token_id for ev in generate_tokens(eng, FullDepth(), i, params, 12)] for i in ids]
+    for above, batched in ((1, True), (8, False)):
+        mode = make_mode(f"speculative:draft=ngram,batch_above={above}", eng)
+        assert mode.batchable(eng)
+        sched = Scheduler(eng, BatchConfig(kv_budget="32MiB", max_batch=4), smol.eos_ids)
+        rids = [sched.submit(i, params, mode) for i in ids]
+        run_all(sched)
+        assert [[e.token_id for e in sched.get(r).events] for r in rids] == expected
+        sources = {e.info.get("source") for r in rids for e in sched.get(r).events[1:]}
+        assert sched.stats["batched_forwards"] > 0
+        # the four short prompts are prefilled in one step, so all four always decode together
+        assert (sources == {"none"}) if batched else ("ngram" in sources), sources
+    with pytest.raises(InvalidArgumentError, match="batch_above"):
+        make_mode("speculative:draft=ngram,batch_above=0", eng)

@@ -127,6 +127,9 @@ def _error(status: int, body, expect_status: int, code=None, param=None):
     ({"max_tokens": "ten"}, "max_tokens"), ({"n": 2}, "n"), ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": 2}, "logprobs"),
     ({"stream": "yes"}, "stream"), ({"model": None}, "model"), ({"prompt": [10**9]}, None),
+    ({"seed": 2**64}, None), ({"max_tokens": 4.5}, "max_tokens"), ({"prompt": ["a", 1]}, "prompt"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"top_p": None, "temperature": "hot"},
+                                                                      "temperature"),
 ])
 def test_invalid_parameters_are_400(server, patch, param):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **patch}
@@ -137,7 +140,10 @@ def test_documented_error_statuses(server):
     url = server.url
     _error(*http("POST", url + "/v1/completions", raw=b"{not json", headers=AUTH), 400)
     _error(*http("POST", url + "/v1/completions", raw=b"[1, 2]", headers=AUTH), 400)
-    _error(*http("POST", url + "/v1/chat/completions", {"model": MODEL, "messages": []}, AUTH), 400, param="messages")
+    for messages in ([], [{"role": "user"}], [{"role": "robot", "content": "hi"}], "hi",
+                     [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]):
+        _error(*http("POST", url + "/v1/chat/completions", {"model": MODEL, "messages": messages}, AUTH), 400,
+               param="messages")
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
     _error(*http("POST", url + "/v1/completions", {**body, "mode": "adaptive:policy=confidence,threshold=0.5"},
                  AUTH), 400, "mode_not_allowed", "mode")

@@ -112,11 +112,48 @@ def _native_args(layer):
     return args
 
 
+KERNEL_BATCH_ROWS = 4  # a paged batch of at most this many rows runs the kernel row by row (measured faster)
+
+
+def _paged_kernel_rows(cache) -> bool:
+    """A paged window the kernel can run, one request at a time: nothing evicted (each row's K/V are its pages in
+    order), at most :data:`KERNEL_BATCH_ROWS` rows."""
+    return (getattr(cache, "rows", None) is not None and not cache._holes
+            and (not cache._batched or len(cache.rows) <= KERNEL_BATCH_ROWS))
+
+
+def _paged_decode_layer(ops, args, hidden, cos, sin, cache, idx):
+    """The kernel on each row of a paged window: the row's pages of layer ``idx`` gathered into a contiguous
+    ``[1, n_kv, pages * page_size, hd]`` buffer (rows shorter than the batch's longest end in null pages, which
+    the kernel never reads: it attends to ``[0, start + T)``), the new positions copied back to their pages."""
+    norms, eps, mats, fmts, bias, h, hkv, hd, scaling, window, act, inter = args
+    pool, ps = cache.pool, cache.pool.page_size
+    outs = []
+    for r in range(hidden.shape[0]):
+        tab = cache._tables[r, idx]  # [P] this row's pages of the layer, in order
+        shape = (1, pool.num_kv_heads, tab.numel() * ps, pool.head_dim)
+        k = torch.index_select(pool.k, 1, tab).view(shape)  # a copy
+        v = torch.index_select(pool.v, 1, tab).view(shape)
+        pos = cache._pos[r]  # [T] the row's new positions
+        c, s_ = (cos[r], sin[r]) if cos.shape[0] > 1 else (cos[0], sin[0])
+        outs.append(ops.decode_layer(hidden[r:r + 1], norms, eps, mats, fmts, bias, c, s_, k, v, int(pos[0]), h,
+                                     hkv, hd, scaling, window, act, inter))
+        pid = tab[cache._slot_page[r]]
+        pool.k[:, pid, cache._slot_off[r]] = k[0, :, pos]
+        pool.v[:, pid, cache._slot_off[r]] = v[0, :, pos]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
 def _native_layer(layer, hidden, cos, sin, cache):
     """Run the whole layer in one compiled call when nothing needs laserlm's attention hook; else ``None``.
-    The kernel reads a contiguous cache, so a paged window (:mod:`laserlm.runtime.kv_pool`) takes the
-    PyTorch ops below."""
-    if not isinstance(cache, CacheWindow) or hidden.dtype != torch.float32 or hidden.shape[1] > KERNEL_MAX_ROWS:
+
+    The kernel reads a contiguous cache of one request. A paged window (:mod:`laserlm.runtime.kv_pool`) with
+    nothing evicted and at most :data:`KERNEL_BATCH_ROWS` rows runs it row by row on each row's pages gathered
+    into a contiguous buffer (the copy the paged PyTorch path makes too; :func:`_paged_decode_layer`). Larger
+    batches and windows with evicted pages take the PyTorch ops below."""
+    paged = _paged_kernel_rows(cache) and hidden.shape[0] == len(cache.rows)
+    if not (paged or isinstance(cache, CacheWindow)) or hidden.dtype != torch.float32 \
+            or hidden.shape[1] > KERNEL_MAX_ROWS:
         return None
     ops = kernels.ops()
     ctx = attn.current_context()
@@ -124,12 +161,13 @@ def _native_layer(layer, hidden, cos, sin, cache):
     if ops is None or ctx is None or ctx.kernel is not None or idx in ctx.want_probs or ctx.key_valid.get(idx) is not None:
         return None
     args = _native_args(layer)
-    if args is None or cache.k[idx].dtype != torch.float32:
+    if args is None or (cache.pool.k.dtype if paged else cache.k[idx].dtype) != torch.float32:
         return None
     norms, eps, mats, fmts, bias, h, hkv, hd, scaling, window, act, inter = args
-    out = ops.decode_layer(hidden, norms, eps, mats, fmts, bias, cos[0], sin[0], cache.k[idx], cache.v[idx],
-                           cache.start, h, hkv, hd, scaling, window, act, inter)
-    return out
+    if paged:
+        return _paged_decode_layer(ops, args, hidden, cos, sin, cache, idx)
+    return ops.decode_layer(hidden, norms, eps, mats, fmts, bias, cos[0], sin[0], cache.k[idx], cache.v[idx],
+                            cache.start, h, hkv, hd, scaling, window, act, inter)
 
 
 def packed_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,

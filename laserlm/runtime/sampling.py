@@ -48,8 +48,9 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidArgumentError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**64):
+            raise InvalidArgumentError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not isinstance(s, str) or s == "" for s in self.stop):

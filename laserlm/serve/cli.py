@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..cli_common import add_model_args, add_mode_args
+from ..cli_common import add_batch_args, add_mode_args, add_model_args
 from ..errors import LaserLMError
 
 
@@ -34,18 +34,7 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1 requests (default: $LASERLM_API_KEY, else none)")
-    g = p.add_argument_group("KV pool and batching")
-    g.add_argument("--kv-budget", default=None, metavar="SIZE",
-                   help="KV pool size: MiB (512, 512MiB, 2GiB) or tokens (8192t) (default: 512MiB)")
-    g.add_argument("--max-batch", type=int, default=16, help="requests running at once (default: %(default)s)")
-    g.add_argument("--max-queue", type=int, default=256,
-                   help="requests waiting at most; more get HTTP 429 (default: %(default)s)")
-    g.add_argument("--page-size", type=int, default=16, help="positions per KV page (default: %(default)s)")
-    g.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens prefilled per step (default: %(default)s)")
-    g.add_argument("--eviction", default=None, metavar="POLICY",
-                   help="none, streaming[:sinks=4,window=256] or depth_lru[:budget=512,sinks=4,recent=64]")
-    g.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt pages between requests")
+    g = add_batch_args(p, queue_help="requests waiting at most; more get HTTP 429")
     g.add_argument("--default-max-tokens", type=int, default=512,
                    help="chat requests without max_tokens generate at most this many tokens (default: %(default)s)")
     r = p.add_argument_group("scale-out")

@@ -84,6 +84,7 @@ MAX_K = 64
 DEFAULT_K = 4
 DEFAULT_LOOKUP_K = 16  # default k when a lookup source (ngram, suffix) drafts: copied spans are long
 DEFAULT_THRESHOLD = 0.0
+DEFAULT_BATCH_ABOVE = 2  # more speculative requests than this decoding together take plain batched steps
 LOOKUP = ("ngram", "suffix")
 
 
@@ -197,6 +198,12 @@ class SpeculativeDecoding:
             numbers in ``[0, 16]`` (defaults 0.36 and 0.34, fitted on smollm2-135m on 1 CPU thread).
         ngram: a custom lookup-draft object with ``lookup(index, k, min_match) -> (n, tokens)`` (tests and
             experiments; default: the request's :class:`~.drafts.NgramIndex` lookup).
+        batch_above: under continuous batching (:mod:`laserlm.runtime.scheduler`), when more than this many
+            requests of the mode decode at once, they take one plain batched full-depth step together instead of
+            a draft + verify cycle each, in ``[1, 4096]`` (default 2). Each cycle is a forward of its own, so
+            many speculating requests serialise; vLLM disables speculation above a batch size for the same
+            reason (``speculative_disable_by_batch_size``). Output stays lossless: a plain step samples the full
+            model's distribution.
 
     Raises:
         InvalidArgumentError: any option out of range or an unknown draft source.
@@ -209,8 +216,12 @@ class SpeculativeDecoding:
                  exit_head_name: str | None = None, draft="layers", max_ngram: int = DEFAULT_MAX_NGRAM,
                  min_match: int = DEFAULT_MIN_MATCH, adaptive: bool | None = None,
                  suffix_tokens: int = DEFAULT_SUFFIX_TOKENS, verify_cost: float = DEFAULT_VERIFY_COST,
-                 verify_base: float = DEFAULT_VERIFY_BASE, ngram=None):
+                 verify_base: float = DEFAULT_VERIFY_BASE, ngram=None, batch_above: int = DEFAULT_BATCH_ABOVE):
         sources = parse_draft(draft)
+        if isinstance(batch_above, bool) or not isinstance(batch_above, int) or not 1 <= batch_above <= 4096:
+            raise InvalidArgumentError(f"batch_above (speculating requests in a batch before they take plain "
+                                       f"batched steps) must be an integer in [1, 4096], got {batch_above!r}")
+        self.batch_above = batch_above
         if k is None:
             k = DEFAULT_K if sources == ("layers",) else DEFAULT_LOOKUP_K
         if draft_layers is None:
@@ -256,7 +267,7 @@ class SpeculativeDecoding:
 
     def config(self) -> dict:
         out = {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
-               "reuse": self.reuse, "exit_head": self.exit_head_name}
+               "reuse": self.reuse, "exit_head": self.exit_head_name, "batch_above": self.batch_above}
         if self.draft != ("layers",):
             out.update(draft="+".join(self.draft), max_ngram=self.max_ngram, min_match=self.min_match,
                        adaptive=self.adaptive, verify_cost=self.verify_cost, verify_base=self.verify_base)
@@ -317,6 +328,27 @@ class SpeculativeDecoding:
                                {"cycle": st.cycles - 1, "drafted": drafted, "accepted": accepted, "kind": kind,
                                 "source": source}))
         return out
+
+    # -- continuous batching -----------------------------------------------------------------
+    def batchable(self, engine) -> bool:
+        """Whether :meth:`step_batch` applies (dense attention, as :class:`FullDepth`)."""
+        return FullDepth().batchable(engine)
+
+    @torch.inference_mode()
+    def step_batch(self, engine, requests) -> list[list[Emitted]]:
+        """One step of several requests of this mode (paged caches): a draft + verify cycle each while there are
+        at most ``batch_above`` of them, else one plain batched full-depth forward (a ``none`` cycle each: no
+        draft, the full model's token)."""
+        if len(requests) <= self.batch_above:
+            return [self.step(engine, r) for r in requests]
+        rows = FullDepth().step_batch(engine, requests)
+        for r, emitted in zip(requests, rows):
+            st = r.state
+            st.record("none", 0, 0)
+            self._record_tokens(r, [e.token_id for e in emitted])
+            for e in emitted:
+                e.info = {"cycle": st.cycles - 1, "drafted": 0, "accepted": 0, "kind": "bonus", "source": "none"}
+        return rows
 
     def _verify_cost(self, width: int) -> float:
         """Relative cost of a ``width``-position verify: the measured table of ``verify_cost=auto`` when there
@@ -507,11 +539,13 @@ class SpeculativeOptions:
     suffix_tokens: Optional[int] = None
     verify_cost: Optional[Union[float, Literal["auto"]]] = None
     verify_base: Optional[float] = None
+    batch_above: Optional[int] = None
 
 
 LAYERS_ONLY = ("draft_layers", "threshold", "reuse", "laser")  # options of the shallow-path draft
 LOOKUP_OPTIONS = ("max_ngram", "min_match")
-DRAFT_OPTIONS = ("draft", "max_ngram", "min_match", "adaptive", "suffix_tokens", "verify_cost", "verify_base")
+DRAFT_OPTIONS = ("draft", "max_ngram", "min_match", "adaptive", "suffix_tokens", "verify_cost", "verify_base",
+                 "batch_above")
 OPTIONS = tuple(f.name for f in fields(SpeculativeOptions))
 
 
@@ -557,7 +591,8 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
 
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH][,draft=ngram+suffix+layers,max_ngram=3,
-    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34]`` -> :class:`SpeculativeDecoding`.
+    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34][,batch_above=2]`` ->
+    :class:`SpeculativeDecoding`.
 
     ``verify_cost=auto`` measures the verify cost curve of this engine on this machine (about a second on
     smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`); the policy then interpolates the
