@@ -209,6 +209,8 @@ def cmd_calibrate(args) -> int:
     else:
         print(format_summary(summary))
         print(f"wrote {out} (report: {out.with_suffix('.json')})", file=sys.stderr)
+    for w in summary.get("warnings", []):
+        print(f"laserlm: warning: {w}", file=sys.stderr)
     if not summary["held_out"]["target_met"]:
         print("laserlm: warning: the held-out split missed the target although the calibration split certified it. "
               "Positions of one document are correlated, so small splits overstate the evidence: use more "

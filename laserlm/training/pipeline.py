@@ -337,6 +337,38 @@ STAGES = (
 [joint heads+gates] -> [router] -> exit-head outputs of the fixed modules -> thresholds."""
 
 
+SHALLOW_SHARE = 0.5  # share of the exits at the first exit point above which the gates look shallow-biased
+SHALLOW_MIN_EXITS = 20
+
+
+def shallow_exit_bias(dec: torch.Tensor, loss: torch.Tensor, num_exits: int, allowed: float | None) -> str | None:
+    """A warning when the exit gates are biased toward shallow layers on held-out text (the seed's failure
+    mode), else ``None``: at least :data:`SHALLOW_MIN_EXITS` held-out positions exit, at least
+    :data:`SHALLOW_SHARE` of them at the first exit point, and (when ``allowed`` is given, the target's allowed
+    disagreement) their loss rate there exceeds ``allowed``.
+
+    Args:
+        dec: ``[n]`` exit index per held-out position (``num_exits`` = full depth).
+        loss: ``[n]`` per-position loss (disagreement 0/1, or NLL increase).
+    The returned text has a ``{exit}`` field for the first exit point's layer.
+    """
+    exited = dec < num_exits
+    n_exit = int(exited.sum())
+    if n_exit < SHALLOW_MIN_EXITS:
+        return None
+    first = dec == 0
+    share = int(first.sum()) / n_exit
+    if share < SHALLOW_SHARE:
+        return None
+    rate = float(loss[first].double().mean()) if first.any() else 0.0
+    if allowed is not None and rate <= allowed:
+        return None
+    return (f"exit gates look biased toward shallow layers: {share:.0%} of the held-out exits stop at the first "
+            "exit point (layer {exit})" + (f", where the loss rate is {rate:.3f} > the {allowed:.3f} the target "
+                                          "allows" if allowed is not None else "")
+            + "; consider a larger --min-depth or more calibration text")
+
+
 def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
     """The run summary: per-exit quality and the threshold's measured effect on the held-out split."""
     train, gate_split, calib, held = ctx["train"], ctx["gate_split"], ctx["calib"], ctx["held"]
@@ -362,6 +394,9 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
     exited = dec < len(exits)
     measured["loss_at_exited_tokens"] = round(float((held_loss * exited).sum()) / max(n_held, 1), 5)
     measured["loss_at_full_depth_tokens"] = round(float((held_loss * ~exited).sum()) / max(n_held, 1), 5)
+    measured["exit_histogram"] = {str(e): int((dec == i).sum()) for i, e in enumerate(exits)}
+    measured["exit_histogram"][str(engine.num_layers)] = int((dec == len(exits)).sum())
+    bias = shallow_exit_bias(dec, held_loss, len(exits), allowed=(1 - cfg.target_agreement) if kind == "agreement" else None)
     if kind == "agreement":
         measured["agreement"] = round(1 - float(held_loss.mean()), 5)
         measured["target_met"] = bool(measured["agreement"] >= cfg.target_agreement)
@@ -376,6 +411,7 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
                           "held_out": len(held)},
         "calibration": {k: v for k, v in cal.to_dict().items() if k != "curve"},
         "held_out": measured, "per_exit": per_exit, "router": ctx["router_report"],
+        "warnings": [bias.format(exit=exits[0] if exits else 0)] if bias else [],
         "text": ctx["text_report"],
         "head_kl_first_last": [head_curve[0], head_curve[-1]] if head_curve else None,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
