@@ -58,6 +58,35 @@ def measure_decode(engine, spec: str, n: int = 32, reps: int = 3) -> dict:
     return {"spec": spec, "tokens_per_s": 1.0 / step, "step_s": step}
 
 
+def measure_against_prediction(engine, drop: list[int], context: int = 64, reps: int = 10, rounds: int = 3,
+                               n: int = 32) -> list[dict]:
+    """Predicted vs measured decode of full depth and of static pruning (``drop``), in interleaved rounds
+    (time the step's parts, decode full depth, decode the pruned model; medians), so that load from other
+    processes affects prediction and measurement alike. Rows: ``{"spec", "step_s", "tokens_per_s",
+    "predicted_step_s", "predicted_tokens_per_s", "prediction_error"}`` (+ speedups on the static row)."""
+    import statistics  # noqa: PLC0415
+
+    specs = ["full"] + (["static:drop=" + "/".join(str(i) for i in drop)] if drop else [])
+    pred = {s: [] for s in specs}
+    meas = {s: [] for s in specs}
+    for _ in range(rounds):
+        t = time_step(engine, context=context, tokens=1, reps=reps)
+        pred["full"].append(t.total_s)
+        if drop:
+            pred[specs[1]].append(costs.static_pruning(t, drop)["step_s"])
+        for s in specs:
+            meas[s].append(measure_decode(engine, s, n=n, reps=1)["step_s"])
+    rows = []
+    for s in specs:
+        p, m = statistics.median(pred[s]), statistics.median(meas[s])
+        rows.append({"spec": s, "step_s": m, "tokens_per_s": 1.0 / m, "predicted_step_s": p,
+                     "predicted_tokens_per_s": 1.0 / p, "prediction_error": p / m - 1.0, "rounds": rounds})
+    if len(rows) == 2:
+        rows[1]["measured_speedup"] = rows[0]["step_s"] / rows[1]["step_s"]
+        rows[1]["predicted_speedup"] = rows[0]["predicted_step_s"] / rows[1]["predicted_step_s"]
+    return rows
+
+
 def profile(lm, ids: torch.Tensor, long_ids: torch.Tensor | None = None, *, drops: list[int] | None = None,
             draft_layers: int | None = None, k: int = 4, context: int = 64, reps: int = 10,
             sparse_lengths: tuple[int, ...] = (512, 1024, 2048), sensitivity_positions: int = 256,
@@ -178,19 +207,8 @@ def profile(lm, ids: torch.Tensor, long_ids: torch.Tensor | None = None, *, drop
     measured = []
     if measure:
         bar.set_postfix_str("measured decode")
-        measured.append({**measure_decode(eng, "full"), "predicted_step_s": t1.total_s})
-        tick()
-        drop = static_rows[-1]["drop"] if static_rows else []
-        if drop:
-            spec = "static:drop=" + "/".join(str(i) for i in drop)
-            measured.append({**measure_decode(eng, spec), "predicted_step_s": static_rows[-1]["step_s"]})
-        tick()
-        for m in measured:
-            m["predicted_tokens_per_s"] = 1.0 / m["predicted_step_s"]
-            m["prediction_error"] = m["predicted_step_s"] / m["step_s"] - 1.0
-        if len(measured) == 2:
-            measured[1]["measured_speedup"] = measured[0]["step_s"] / measured[1]["step_s"]
-            measured[1]["predicted_speedup"] = measured[0]["predicted_step_s"] / measured[1]["predicted_step_s"]
+        measured = measure_against_prediction(eng, static_rows[-1]["drop"] if static_rows else [], context, reps)
+        tick(2)
     bar.close()
 
     return {
