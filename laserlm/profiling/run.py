@@ -58,10 +58,11 @@ def measure_decode(engine, spec: str, n: int = 32, reps: int = 3) -> dict:
     return {"spec": spec, "tokens_per_s": 1.0 / step, "step_s": step}
 
 
-def measure_against_prediction(engine, drop: list[int], context: int = 64, reps: int = 10, rounds: int = 3,
-                               n: int = 32) -> list[dict]:
+def measure_against_prediction(engine, drop: list[int], context: int = 64, reps: int = 10, rounds: int = 5,
+                               n: int = 64) -> list[dict]:
     """Predicted vs measured decode of full depth and of static pruning (``drop``), in interleaved rounds
-    (time the step's parts, decode full depth, decode the pruned model; medians), so that load from other
+    (time the step's parts, then decode full depth and the pruned model, in alternating order; medians), so that
+    load from other
     processes affects prediction and measurement alike. Rows: ``{"spec", "step_s", "tokens_per_s",
     "predicted_step_s", "predicted_tokens_per_s", "prediction_error"}`` (+ speedups on the static row)."""
     import statistics  # noqa: PLC0415
@@ -69,12 +70,12 @@ def measure_against_prediction(engine, drop: list[int], context: int = 64, reps:
     specs = ["full"] + (["static:drop=" + "/".join(str(i) for i in drop)] if drop else [])
     pred = {s: [] for s in specs}
     meas = {s: [] for s in specs}
-    for _ in range(rounds):
+    for r in range(rounds):
         t = time_step(engine, context=context, tokens=1, reps=reps)
         pred["full"].append(t.total_s)
         if drop:
             pred[specs[1]].append(costs.static_pruning(t, drop)["step_s"])
-        for s in specs:
+        for s in (specs if r % 2 == 0 else specs[::-1]):  # alternate the order: no position effect
             meas[s].append(measure_decode(engine, s, n=n, reps=1)["step_s"])
     rows = []
     for s in specs:
