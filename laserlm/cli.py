@@ -239,10 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(sub)
     from .bench import cli as bench_cli  # noqa: PLC0415  (the tools' subcommands; they never import this module)
     from .evaluation import cli as eval_cli  # noqa: PLC0415
+    from .profiling import cli as profile_cli  # noqa: PLC0415
     from .serve import cli as serve_cli  # noqa: PLC0415
     from .training import cli as training_cli  # noqa: PLC0415
 
-    for module in (eval_cli, bench_cli, training_cli, serve_cli):
+    for module in (eval_cli, bench_cli, training_cli, profile_cli, serve_cli):
         module.add_parser(sub)
     return parser
 

@@ -447,10 +447,20 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert set(art.heads) == {2, 4, 6} and art.router is not None
     thr = art.thresholds["gate_threshold"]
     assert 0 <= thr <= 1
+    # the complexity predictor: trained, certified (deferred bridge), stored and runnable as policy=predictor
+    assert art.predictor is not None and art.predictor.exit_points == [2, 4, 6]
+    assert 0 <= art.thresholds["predictor_threshold"] <= 1 and s["predictor"]["bridge"] == "deferred"
+    assert "complexity predictor" in format_summary(s)
+    from laserlm.depth import make_adaptive
+
+    mode = make_adaptive(lm.engine, laser=str(out), policy="predictor", patience=0)
+    assert mode.bridge.name == "deferred" and mode.predictor is not None
+    out_score = mode.score(lm.engine, torch.randint(0, 100, (12,)))
+    assert out_score.layers.shape == (12,)
     # resume with another target reuses the trained modules (identical heads) and re-calibrates
     work = tmp_path / "tiny.safetensors.work"
     mtimes = {p.name: p.stat().st_mtime_ns for p in work.glob("*.pt") if not p.name.startswith("propagate")}
-    assert set(mtimes) == {"collect.pt", "heads.pt", "gates.pt", "joint.pt", "router.pt", "outputs.pt"}
+    assert set(mtimes) == {"collect.pt", "heads.pt", "gates.pt", "joint.pt", "router.pt", "outputs.pt", "predictor.pt"}
     cfg.target_agreement = 0.3
     s2 = calibrate(lm, cfg, tmp_path / "tiny2.safetensors", resume=True, progress=False,
                    work_dir=tmp_path / "tiny.safetensors.work")
@@ -461,7 +471,7 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert {n: (work / n).stat().st_mtime_ns for n in mtimes} == mtimes  # no stage ran again
     # resume with other head settings retrains the heads and everything that reads them, not the collection
     manifest = json.loads((tmp_path / "tiny.safetensors.work" / "manifest.json").read_text())["stages"]
-    assert set(manifest) == {"collect", "heads", "gates", "joint", "router", "outputs"}
+    assert set(manifest) == {"collect", "heads", "gates", "joint", "router", "outputs", "predictor"}
     cfg.heads.steps = 6
     s3 = calibrate(lm, cfg, out, resume=True, progress=False)
     after = json.loads((tmp_path / "tiny.safetensors.work" / "manifest.json").read_text())["stages"]

@@ -162,13 +162,28 @@ def cmd_bench(args) -> int:
                 targets.append(lc)
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"llama.cpp: could not load {gguf}: {type(exc).__name__}: {exc}")
+    from .utilization import bytes_per_token, read_bandwidth, utilization  # noqa: PLC0415
+
+    bandwidth = read_bandwidth()
     samples = run_bench(targets, prompt_ids, gen_ids, args.n_gen, args.reps, args.warmup, tests,
                         progress=not args.no_progress)
     rows = [summarize(name, s, args.n_prompt, args.n_gen) for name, s in samples.items()]
+    engines = {t.name: t.lm.engine for t in targets if isinstance(t, EngineTarget)}
+    for r in rows:  # tg: n_gen tokens after 1, mean context n_gen / 2
+        eng = engines.get(r["config"])
+        layers = r["layers_per_token"]
+        if eng is None or layers != layers:
+            r["bytes_per_token"] = r["utilization"] = float("nan")
+            continue
+        b = bytes_per_token(eng, layers, args.n_gen / 2)
+        r["bytes_per_token"] = b["total"]
+        r["utilization"] = utilization(b["total"], r["tg_tokens_per_s"], bandwidth)
     from ..reports import machine, now, write_json  # noqa: PLC0415
 
     header = (f"model {args.model}, {'; '.join(one.describe() for one in lms)}, {torch.get_num_threads()} threads, reps {args.reps} after "
               f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "
+              f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 512 MiB, best of 5; util = tg bytes/token "
+              f"x tok/s / bandwidth); "
               f"generation run: {gen_ids.shape[0]}-token {'chat ' if chat else ''}prompt + {args.n_gen} greedy tokens; "
               f"{machine()}; {now()}")
     out = sys.stderr if args.json == "-" else sys.stdout
@@ -184,7 +199,7 @@ def cmd_bench(args) -> int:
         doc = {"command": "bench", "model": args.model, "weights": [one.weights for one in lms],
                "dtype": str(lm.engine.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
                "n_prompt": args.n_prompt, "n_gen": args.n_gen, "reps": args.reps, "warmup": args.warmup,
-               "tests": tests, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,
+               "tests": tests, "read_bandwidth_bytes_per_s": bandwidth, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,
                "rows": rows, "raw": {n: vars(s) for n, s in samples.items()}}
         write_json(doc, args.json)
     return 0

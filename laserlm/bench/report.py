@@ -19,8 +19,8 @@ def markdown(rows: list[dict], n_prompt: int, n_gen: int, reference: str = "full
     """One row per configuration; speed-ups are relative to the full-depth engine row."""
     ref = next((r for r in rows if r["config"] == reference), None)
     head = (f"| config | pp{n_prompt} t/s | tg{n_gen} t/s | tg vs full | TTFT ms | TPOT ms | ITL P50 ms | "
-            "ITL P99 ms | layers/tok | KV alloc / used MiB | peak RSS MiB |")
-    out = [head, "|---|" + "---:|" * 10]
+            "ITL P99 ms | layers/tok | KV alloc / used MiB | peak RSS MiB | MiB read/tok | util |")
+    out = [head, "|---|" + "---:|" * 12]
     for r in rows:
         speed = (f"{r['tg_tokens_per_s'] / ref['tg_tokens_per_s']:.2f}x"
                  if ref and ref["tg_tokens_per_s"] and not math.isnan(r["tg_tokens_per_s"]) else "n/a")
@@ -28,7 +28,8 @@ def markdown(rows: list[dict], n_prompt: int, n_gen: int, reference: str = "full
             f"| {r['config']} | {_f(r['pp_tokens_per_s'])} ± {_f(r['pp_std'])} | "
             f"{_f(r['tg_tokens_per_s'], '.2f')} ± {_f(r['tg_std'], '.2f')} | {speed} | {_f(r['ttft_ms'])} | "
             f"{_f(r['tpot_ms'])} | {_f(r['itl_p50_ms'])} | {_f(r['itl_p99_ms'])} | {_f(r['layers_per_token'], '.2f')} | "
-            f"{_f(r['kv_alloc_mib'])} / {_f(r['kv_used_mib'])} | {_f(r['peak_rss_mib'], '.0f')} |"
+            f"{_f(r['kv_alloc_mib'])} / {_f(r['kv_used_mib'])} | {_f(r['peak_rss_mib'], '.0f')} | "
+            f"{_f(r.get('bytes_per_token', float('nan')) / 2**20, '.1f')} | {_f(r.get('utilization', float('nan')), '.2f')} |"
             + (f" {r['note']}" if r.get("note") else ""))
     return "\n".join(out)
 

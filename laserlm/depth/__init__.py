@@ -7,7 +7,8 @@ Its three decoding-mode factories (named in :mod:`laserlm.modes`):
   (other options: ``saturation_threshold``, ``ats_threshold``, ``ats_layer``, ``gate_threshold``,
   ``combine=all|any``, ``compensation=MAX_CHANGE``, ``laser=PATH`` for trained heads/gates,
   ``score=decode|replay`` for evaluation, ``router=1`` to let the file's sequence-level router cap the depth of
-  each request); policies join with ``+`` (``policy=confidence+ats``);
+  each request), ``policy=predictor`` (the laser file's pre-layer complexity predictor, ``predictor_threshold``);
+  policies join with ``+`` (``policy=confidence+ats``, ``policy=predictor+gate``);
 - ``static:layers=K`` (keep K layers, drop the lowest Block Influence ones, ``calib=PATH`` text) or
   ``static:drop=12/13/14``;
 - ``early-exit:layer=N`` (every token stops after N layers; ``laser=PATH`` for a trained head).
@@ -60,6 +61,7 @@ class AdaptiveOptions(_ModeOptions):
     ats_threshold: Optional[float] = None
     ats_layer: Optional[int] = None
     gate_threshold: Optional[float] = None
+    predictor_threshold: Optional[float] = None
     combine: str = "all"
     compensation: Optional[float] = None
     laser: Optional[str] = None
@@ -128,8 +130,13 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
         compensation=o.compensation,
         gates=art.gates if art else None,
         vocab_size=engine.config.vocab_size,
+        predictor=art.predictor if art else None,
+        predictor_threshold=_given(o.predictor_threshold, file_thr.get("predictor_threshold")),
     )
-    bridge = _given(o.bridge, art.bridge if art else DEFAULT_BRIDGE)  # a laser file: what it was calibrated for
+    file_bridge = art.bridge if art else DEFAULT_BRIDGE  # a laser file: what it was calibrated for
+    if art is not None and o.policy is not None and "predictor" in o.policy:  # the predictor's own certificate
+        file_bridge = file_cfg.get("predictor_bridge", file_bridge)
+    bridge = _given(o.bridge, file_bridge)
     patience = _given(o.patience, file_cfg.get("patience", 3))
     ats_layer = _given(o.ats_layer, file_cfg.get("ats_layer"))
     router = None

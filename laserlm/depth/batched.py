@@ -64,7 +64,7 @@ def run_layers_frozen(engine, a: int, b: int, h_in: torch.Tensor, exited: torch.
 def supports_batched_score(mode) -> bool:
     """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (propagate bridge, no patience)."""
     return (isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "patience", 1) == 0
-            and getattr(mode, "router", None) is None)
+            and getattr(mode, "router", None) is None and getattr(mode, "predictor", None) is None)
 
 
 @torch.inference_mode()

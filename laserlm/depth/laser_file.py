@@ -3,7 +3,9 @@
 Layout (format version :data:`FORMAT_VERSION`):
 
 - tensors ``heads.<exit>.*`` (:class:`~laserlm.depth.heads.ExitHead` adapters), ``gates.<exit>.*``
-  (:class:`~laserlm.depth.heads.ExitGate`) and ``router.*`` (:class:`~laserlm.depth.router.DynamicRouter`);
+  (:class:`~laserlm.depth.heads.ExitGate`), ``router.*`` (:class:`~laserlm.depth.router.DynamicRouter`) and,
+  optionally, ``predictor.*`` (:class:`~laserlm.depth.predictor.ComplexityPredictor`, its layout in the
+  metadata's ``predictor``; files without one load unchanged);
 - safetensors metadata ``"laserlm"``: a JSON object with ``format_version``, ``identity`` (name, model type
   and the architecture numbers of the base model), ``weights_sha256`` (the base model's weight hash,
   :func:`laserlm.models.weights_hash.weights_sha256`), the head / gate / router layouts, ``thresholds``,
@@ -34,6 +36,7 @@ import torch
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
 from ..models.weights_hash import weights_sha256
 from .heads import ExitGate, ExitHead
+from .predictor import ComplexityPredictor
 from .router import ROUTER_LAYER, DynamicRouter
 
 FORMAT_VERSION = 2
@@ -49,6 +52,7 @@ class LaserArtifact:
         heads: ``exit layer -> ExitHead``.
         gates: ``exit layer -> ExitGate``.
         router: the sequence-level :class:`~laserlm.depth.router.DynamicRouter`, or ``None``.
+        predictor: the pre-layer :class:`~laserlm.depth.predictor.ComplexityPredictor`, or ``None``.
         thresholds: calibrated settings (e.g. ``{"gate_threshold": 0.83}``, ``{"threshold": 0.9}``).
         config: JSON-able settings (groups, policy, min depth, ATS layer, ``bridge``, calibration report ...).
         identity: the base model identity the file was made for (set by :func:`load_laser_file`).
@@ -58,6 +62,7 @@ class LaserArtifact:
     heads: dict = field(default_factory=dict)
     gates: dict = field(default_factory=dict)
     router: DynamicRouter | None = None
+    predictor: ComplexityPredictor | None = None
     thresholds: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
     identity: dict = field(default_factory=dict)
@@ -154,6 +159,10 @@ def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) 
         for k, v in artifact.router.state_dict().items():
             tensors[f"router.{k}"] = v.detach().contiguous().cpu()
         meta["router"] = {"exit_points": list(artifact.router.exit_points), "layer": ROUTER_LAYER}
+    if artifact.predictor is not None:
+        for k, v in artifact.predictor.state_dict().items():
+            tensors[f"predictor.{k}"] = v.detach().contiguous().cpu()
+        meta["predictor"] = artifact.predictor.config_dict()
     meta["tensors_sha256"] = tensors_digest(tensors)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"laserlm": json.dumps(meta)})
@@ -243,6 +252,11 @@ def load_laser_file(path, lm) -> LaserArtifact:
         if rc is not None:
             art.router = DynamicRouter(d, rc["exit_points"])
             art.router.load_state_dict(part("router."))
+        pc = meta.get("predictor")
+        if pc is not None:
+            art.predictor = ComplexityPredictor(d, pc["exit_points"], pc.get("context", 4), pc.get("channels", 32),
+                                                pc.get("uses_ats", False))
+            art.predictor.load_state_dict(part("predictor."))
     except (RuntimeError, KeyError, TypeError, ValueError) as exc:
         raise CorruptModelError(f"{path}: tensors do not match its config: {exc}") from None
     return art

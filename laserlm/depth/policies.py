@@ -12,6 +12,8 @@ batch of one: the scheduler's decoding, replayed scoring and batched scoring all
 - :class:`AttentionTransition`: the attention transition score (ATS) of the seed, the cosine similarity of
   the token's attention distribution with the previous token's at one layer; below 0.7 means "go deeper".
 - :class:`GatePolicy`: a trained exit gate (:class:`laserlm.depth.heads.ExitGate`, trained by calibration).
+- :class:`PredictorPolicy`: the seed's complexity predictor (:mod:`laserlm.depth.predictor`), asked before the
+  token's first layer; its per-exit probabilities reach the exit points in :attr:`BatchPoint.predicted`.
 - :class:`Compensation`: the seed's compensation rule, a veto: when the hidden state changes by more than a
   threshold across the exit group (relative L2 change), run the next group instead of exiting.
 
@@ -45,6 +47,8 @@ class BatchPoint:
         head: ``fn(hidden [n, d]) -> logits [n, V]`` float32, the exit head at this point.
         ats: ``[n]`` attention transition scores (NaN where there is no previous token), or ``None`` when not
             measured.
+        predicted: ``[n, E]`` the complexity predictor's exit probabilities per exit point (computed before the
+            token's first layer), or ``None`` when the policy has no predictor.
     """
 
     group: int
@@ -57,6 +61,7 @@ class BatchPoint:
     _logits: torch.Tensor | None = field(default=None, repr=False)
     head_evals: torch.Tensor | None = field(default=None, repr=False)  # [N] exit-head evaluations per walk row
     rows: torch.Tensor | None = field(default=None, repr=False)  # [n] this point's rows among those N
+    predicted: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
@@ -73,7 +78,8 @@ class BatchPoint:
     def select(self, rows: torch.Tensor) -> BatchPoint:
         """The rows ``rows`` (``[m]`` long indices) as a new point (the head is evaluated on those rows only)."""
         sub = BatchPoint(self.group, self.layer, self.num_layers, self.hidden[rows], self.hidden_in[rows], self.head,
-                         self.ats[rows] if self.ats is not None else None)
+                         self.ats[rows] if self.ats is not None else None,
+                         predicted=self.predicted[rows] if self.predicted is not None else None)
         if self._logits is not None:
             sub._logits = self._logits[rows]
         sub.head_evals = self.head_evals
@@ -233,6 +239,49 @@ class GatePolicy(ExitPolicy):
         return f"gate>{self.threshold:g}"
 
 
+class PredictorPolicy(ExitPolicy):
+    """Exit at an exit point when the complexity predictor's probability for it ``> threshold`` (in [0, 1]).
+
+    Args:
+        predictor: a :class:`~laserlm.depth.predictor.ComplexityPredictor` (``exit_points``, ``uses_ats``).
+
+    The probabilities come from :attr:`BatchPoint.predicted`, computed by the scheduler before the token's first
+    layer (seed 000 §2.1), so the decision never depends on the token's own layer outputs.
+
+    Raises:
+        InvalidArgumentError: threshold out of range; at decision time, a path that gives no prediction.
+    """
+
+    needs_prediction = True
+
+    def __init__(self, predictor, threshold: float = 0.5):
+        self.predictor = predictor
+        self.threshold = _check_range("predictor threshold", threshold, 0.0, 1.0)
+        self.needs_ats = bool(predictor.uses_ats)
+
+    def decide_batch(self, points):
+        if points.predicted is None:
+            raise InvalidArgumentError("policy 'predictor' needs the scheduler's pre-layer prediction (adaptive "
+                                       "decoding or replay scoring); this path does not provide it")
+        if points.layer not in self.predictor.exit_points:
+            return torch.zeros(len(points), dtype=torch.bool)
+        return points.predicted[:, self.predictor.exit_points.index(points.layer)] > self.threshold
+
+    def describe(self):
+        return f"predictor>{self.threshold:g}"
+
+
+def find_predictor(policy) -> PredictorPolicy | None:
+    """The :class:`PredictorPolicy` inside ``policy`` (a policy or a combination of them), or ``None``."""
+    if isinstance(policy, PredictorPolicy):
+        return policy
+    for p in getattr(policy, "policies", ()):
+        found = find_predictor(p)
+        if found is not None:
+            return found
+    return None
+
+
 class _Combined(ExitPolicy):
     """Several policies joined by ``combine`` (``all`` or ``any``; both short-circuit in order)."""
 
@@ -283,12 +332,13 @@ class Never(ExitPolicy):
         return "never"
 
 
-POLICY_NAMES = ("confidence", "saturation", "ats", "gate", "never")
+POLICY_NAMES = ("confidence", "saturation", "ats", "gate", "predictor", "never")
 
 
 def make_policy(names: str = "confidence", *, threshold=None, measure: str = "max", saturation_threshold=None,
                 ats_threshold=None, gate_threshold=None, combine: str = "all", compensation=None,
-                gates: dict | None = None, vocab_size: int | None = None) -> ExitPolicy:
+                gates: dict | None = None, vocab_size: int | None = None, predictor=None,
+                predictor_threshold=None) -> ExitPolicy:
     """Build a policy from mode options.
 
     Args:
@@ -297,9 +347,12 @@ def make_policy(names: str = "confidence", *, threshold=None, measure: str = "ma
         combine: ``all`` (exit when every policy agrees) or ``any``.
         compensation: optional max relative hidden change; always combined as a veto (AND).
         gates: ``exit layer -> ExitGate`` for ``gate`` (from a laser file).
+        predictor: a :class:`~laserlm.depth.predictor.ComplexityPredictor` for ``predictor`` (from a laser file);
+            ``predictor_threshold`` its threshold (else ``threshold`` when it is listed first, else 0.5).
 
     Raises:
-        InvalidArgumentError: unknown names, thresholds out of range, ``gate`` without gates.
+        InvalidArgumentError: unknown names, thresholds out of range, ``gate`` without gates, ``predictor``
+            without a predictor.
     """
     parts = [p.strip() for p in str(names).split("+") if p.strip()]
     if not parts:
@@ -321,6 +374,12 @@ def make_policy(names: str = "confidence", *, threshold=None, measure: str = "ma
                 raise InvalidArgumentError("policy 'gate' needs trained exit gates: pass laser=PATH (from `laserlm calibrate`)")
             v = gate_threshold if gate_threshold is not None else t
             built.append(GatePolicy(gates, 0.5 if v is None else v))
+        elif name == "predictor":
+            if predictor is None:
+                raise InvalidArgumentError("policy 'predictor' needs a trained complexity predictor: pass laser=PATH "
+                                           "(from `laserlm calibrate`, which trains one unless --no-predictor)")
+            v = predictor_threshold if predictor_threshold is not None else t
+            built.append(PredictorPolicy(predictor, 0.5 if v is None else v))
         elif name == "never":
             built.append(Never())
         else:

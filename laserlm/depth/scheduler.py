@@ -37,7 +37,7 @@ from ..runtime.modes import ScoreOutput
 from .batched import run_layers_frozen
 from .bridge import Bridge, DeferredBridge, PendingToken, PropagateBridge, make_bridge
 from .groups import LayerGroups
-from .policies import ExitPolicy, transition_score
+from .policies import ExitPolicy, find_predictor, transition_score
 from .stats import summarize_events
 from .walk import PatienceState, update_patience, walk_groups
 
@@ -54,6 +54,9 @@ class DepthState:
         pending: the deferred bridge's token whose remaining layers run with the next token.
         valid: the ``none`` bridge's key masks, ``layer -> [max_len]`` bool (False: a skipped slot).
         prev_probs: the previous token's attention probabilities ``[H, S]`` at the ATS layer.
+        recent: the last tokens (at most the complexity predictor's context), oldest first.
+        prev_exit: the previous token's exit depth as a fraction of the layers (1.0 after the prompt).
+        last_ats: the ATS of the last token run (NaN: none), the predictor's "previous token's ATS".
     """
 
     patience: PatienceState
@@ -61,6 +64,9 @@ class DepthState:
     pending: PendingToken | None = None
     valid: dict = field(default_factory=dict)
     prev_probs: torch.Tensor | None = None
+    recent: list = field(default_factory=list)
+    prev_exit: float = 1.0
+    last_ats: float = float("nan")
 
 
 class AdaptiveDepth:
@@ -113,6 +119,10 @@ class AdaptiveDepth:
                     f"ats_layer must be a layer before the first exit point (0-{first - 1}), got {ats_layer!r} (a laser "
                     "file's gates read the ATS at the layer they were trained with: keep the file's groups)")
             self.ats_layer = ats_layer
+        self.predictor = getattr(find_predictor(policy), "predictor", None)
+        if self.predictor is not None and not set(self.predictor.exit_points) <= {b for _, b in groups.bounds}:
+            raise InvalidArgumentError(f"the complexity predictor's exit points {self.predictor.exit_points} are not "
+                                       f"group boundaries of {groups.describe()} (keep the laser file's groups)")
         if router is not None and router.exit_points != [b for _, b in groups.bounds if b in router.exit_points]:
             raise InvalidArgumentError(f"the router's exit points {router.exit_points} are not group boundaries of "
                                        f"{groups.describe()}")
@@ -145,14 +155,36 @@ class AdaptiveDepth:
         """``[1]`` ATS of the token just run at the ATS layer (NaN without a previous token)."""
         cur = st.ctx.probs[self.ats_layer][0, :, -1, :]  # [H, S]
         prev, rs.prev_probs = rs.prev_probs, cur
-        return torch.tensor([float("nan") if prev is None else float(transition_score(prev, cur))])
+        rs.last_ats = float("nan") if prev is None else float(transition_score(prev, cur))
+        return torch.tensor([rs.last_ats])
 
-    def _walk(self, engine, run_group, rs: DepthState, final_head=None, head_at=None):
+    def _predict(self, engine, rs: DepthState, token_id: int) -> torch.Tensor | None:
+        """``[1, E]`` the complexity predictor's exit probabilities for ``token_id``, from its embedding, the
+        embeddings of the request's recent tokens and the previous token's ATS and exit depth; computed before
+        the token's first layer (``None`` without a predictor)."""
+        p = self.predictor
+        if p is None:
+            return None
+        from .predictor import predictor_scalars, window_embeddings  # noqa: PLC0415
+
+        ids = ([-1] * p.context + list(rs.recent) + [int(token_id)])[-(p.context + 1):]
+        emb = window_embeddings(engine.adapter.embed, torch.tensor([ids]))
+        scal = predictor_scalars(torch.tensor([rs.last_ats]), torch.tensor([rs.prev_exit]), p.uses_ats)
+        with torch.no_grad():
+            return torch.sigmoid(p(emb, scal))
+
+    def _remember(self, engine, rs: DepthState, token_id: int, exit_layer: int) -> None:
+        """After a token: the predictor's history (recent tokens, previous exit depth)."""
+        if self.predictor is not None:
+            rs.recent = (list(rs.recent) + [int(token_id)])[-max(1, self.predictor.context):]
+            rs.prev_exit = exit_layer / engine.num_layers
+
+    def _walk(self, engine, run_group, rs: DepthState, final_head=None, head_at=None, predicted=None):
         """One token's walk (a batch of one) under the request's patience lock and route."""
         locked = torch.tensor([-1 if rs.patience.locked is None else rs.patience.locked])
         return walk_groups(self.groups, self.policy, head_at or (lambda b: self.head_at(engine, b)),
                            final_head or engine.head, 1, run_group, locked=locked,
-                           route=torch.tensor([rs.route_layer]))
+                           route=torch.tensor([rs.route_layer]), predicted=predicted)
 
     def _after_token(self, rs: DepthState, res) -> None:
         exit_group = int(res.exit_group[0]) if bool(res.exited[0]) else None
@@ -177,6 +209,8 @@ class AdaptiveDepth:
         engine.commit(st)
         if self.ats_layer is not None:
             self._ats(st, rs)
+        if self.predictor is not None:
+            rs.recent, rs.prev_exit = [int(x) for x in ids[-max(1, self.predictor.context):]], 1.0
         return engine.head(h[:, -1:])[0, 0]
 
     @torch.inference_mode()
@@ -211,9 +245,11 @@ class AdaptiveDepth:
             ats = self._ats(st, rs) if self.ats_layer is not None and a <= self.ats_layer < b else None
             return h_in[:, 0], run["h"][:, 0], ats
 
-        res = self._walk(engine, run_group, rs)
+        predicted = self._predict(engine, rs, token_id)  # before any layer of this token has run
+        res = self._walk(engine, run_group, rs, predicted=predicted)
         h, joint, deferred = run["h"], run["joint"], run["deferred"]
         exit_layer = int(res.exit_layer[0])
+        self._remember(engine, rs, token_id, exit_layer)
         info = {"bridge": self.bridge.name, "patience": locked is not None, "bridge_layers": 0}
         if bool(res.exited[0]):
             if pend is not None:  # finish the pending token alone from where it stands
@@ -247,7 +283,8 @@ class AdaptiveDepth:
     def batchable(self, engine) -> bool:
         """Whether :meth:`step_batch` reproduces :meth:`step`: the ``propagate`` bridge and no ATS (the frozen-row
         walk below writes exactly the propagate bridge's K/V; the ATS reads per-row attention history)."""
-        return isinstance(self.bridge, PropagateBridge) and self.ats_layer is None and engine.kernel is None
+        return (isinstance(self.bridge, PropagateBridge) and self.ats_layer is None and engine.kernel is None
+                and self.predictor is None)
 
     @torch.inference_mode()
     def step_batch(self, engine, requests) -> list[list[Emitted]]:
@@ -338,12 +375,18 @@ class AdaptiveDepth:
             ats = None
             if probs is not None and a <= self.ats_layer < b:
                 ats = transition_score(probs[0, :, i - 1, :i], probs[0, :, i, :i + 1]).reshape(1).float()
+                rs.last_ats = float(ats[0])
             return hs[a][i:i + 1], hs[b][i:i + 1], ats
 
         pos = [0]
+        if self.predictor is not None:
+            rs.recent, rs.prev_exit = [int(ids[0])], 1.0
         for i in range(1, t):
             pos[0] = i
-            res = self._walk(engine, run_group, rs, final_head=lambda _h: final[pos[0]:pos[0] + 1], head_at=head_at)
+            predicted = self._predict(engine, rs, int(ids[i]))
+            res = self._walk(engine, run_group, rs, final_head=lambda _h: final[pos[0]:pos[0] + 1], head_at=head_at,
+                             predicted=predicted)
+            self._remember(engine, rs, int(ids[i]), int(res.exit_layer[0]))
             out[i] = res.logits[0]
             layers[i] = float(res.exit_layer[0])
             self._after_token(rs, res)

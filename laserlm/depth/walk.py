@@ -46,7 +46,8 @@ class WalkResult:
 
 def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: Callable, n: int,
                 run_group: RunGroup, *, locked: torch.Tensor | None = None, route: torch.Tensor | None = None,
-                live: torch.Tensor | None = None, finish: bool = False) -> WalkResult:
+                live: torch.Tensor | None = None, finish: bool = False,
+                predicted: torch.Tensor | None = None) -> WalkResult:
     """Walk ``n`` rows through ``groups`` (:class:`~laserlm.depth.groups.LayerGroups`) under ``policy``.
 
     Args:
@@ -57,6 +58,8 @@ def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: 
         locked: ``[n]`` long, the patience lock's group per row (-1: none).
         route: ``[n]`` long, the router's depth cap per row in layers (L: none).
         live: ``[n]`` bool, rows that may exit at all (default: all).
+        predicted: ``[n, E]`` the complexity predictor's exit probabilities (computed before the first layer),
+            handed to the policy at every exit point (:attr:`BatchPoint.predicted`).
     """
     bounds = groups.bounds
     L = groups.num_layers
@@ -81,7 +84,7 @@ def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: 
         running = live & ~exited
         cap = running & (route <= b)  # the router's depth for this request is a hard cap
         eligible = running & ~cap & checks_on & (locked <= g) if groups.can_exit(g) else torch.zeros_like(cap)
-        point = BatchPoint(g, b, L, h, h_in, head_at(b), ats, head_evals=head_evals)
+        point = BatchPoint(g, b, L, h, h_in, head_at(b), ats, head_evals=head_evals, predicted=predicted)
         go = torch.zeros(n, dtype=torch.bool)
         rows = torch.nonzero(eligible).flatten()
         if rows.numel():

@@ -45,6 +45,8 @@ def add_parser(sub) -> None:
                    help="WikiText-2 windows for top-1 agreement (default: %(default)s)")
     p.add_argument("--gen-tokens", type=int, default=32,
                    help="greedy tokens per prompt for generation agreement (default: %(default)s)")
+    p.add_argument("--long-tokens", type=int, default=4096,
+                   help="longtext: tokens of the long document, capped at the context size + 1 (default: %(default)s)")
     p.add_argument("--prompts", default=None, help='jsonl of {"prompt": ...} lines (default: the bundled set)')
     p.add_argument("--data", "--data-dir", dest="data", default=None, metavar="FILE|DIR|hf:NAME[:CONFIG[:SPLIT]]",
                    help="evaluation data: a data directory laid out like ../shared/data (wikitext-2/test.txt, "
@@ -74,7 +76,8 @@ def cmd_eval(args) -> int:
     if args.limit is not None and args.limit < 1:
         raise InvalidArgumentError(f"--limit must be a positive number of items, got {args.limit}")
     for name, v, lo in (("--window", args.window, 2), ("--stride", args.stride, 1),
-                        ("--agreement-windows", args.agreement_windows, 1), ("--ppl-windows", args.ppl_windows, 1), ("--gen-tokens", args.gen_tokens, 1)):
+                        ("--agreement-windows", args.agreement_windows, 1), ("--ppl-windows", args.ppl_windows, 1), ("--gen-tokens", args.gen_tokens, 1),
+                        ("--long-tokens", args.long_tokens, 3)):
         if v is not None and v < lo:
             raise InvalidArgumentError(f"{name} must be >= {lo}, got {v}")
     if args.stride is not None and args.stride > args.window:
@@ -90,7 +93,7 @@ def cmd_eval(args) -> int:
         load_prompts(args.prompts)  # a missing / malformed --prompts file fails now, not after the other tasks
     settings = EvalSettings(data=args.data, limit=args.limit, seed=args.seed, window=args.window,
                             stride=args.stride, ppl_windows=args.ppl_windows, agreement_windows=args.agreement_windows,
-                            gen_tokens=args.gen_tokens, prompts=args.prompts, progress=not args.no_progress)
+                            gen_tokens=args.gen_tokens, long_tokens=args.long_tokens, prompts=args.prompts, progress=not args.no_progress)
     from ..defaults import check_before_load  # noqa: PLC0415
 
     check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading

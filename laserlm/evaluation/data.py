@@ -59,6 +59,7 @@ TASK_FILES = {
     "hellaswag": ("hellaswag/hellaswag_val_full.txt.bz2",),
     "arc_easy": ("arc/ARC-Easy-Test.jsonl",),
     "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
+    "longtext": ("gutenberg/1400-0.txt",),  # one long document (laserlm.evaluation.longtext)
 }
 
 
@@ -251,6 +252,10 @@ def load_task(task: str, data: str | Path | None = None):
             raise DataFileError(f"{src}: LAMBADA rows need a 'text' field")
         return [LambadaItem(c, " " + w) for c, _, w in (r["text"].rpartition(" ") for r in rows)]
     paths = src
+    if task == "longtext":
+        from .longtext import document_text  # noqa: PLC0415
+
+        return document_text(_read_text(paths[0]))
     if task == "wikitext":
         return read_wikitext(paths[0])
     if task == "lambada":

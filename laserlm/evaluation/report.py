@@ -15,6 +15,10 @@ COLUMNS = {
     "agreement": [("top1_agreement", "top-1 agree", ".4f", +1), ("gen_exact_match", "gen exact", ".3f", +1),
                   ("gen_mean_lcp_tokens", "gen LCP tok", ".1f", +1), ("gen_mean_lcp_fraction", "LCP frac", ".3f", +1),
                   ("prompts", "prompts", "d", 0)],
+    "longtext": [("agreement", "top-1 agree", ".4f", +1), ("consistency", "agree past 2048", ".4f", +1),
+                 ("agreement_decay_per_1k", "agree decay/1k", ".4f", -1), ("nll_gap", "NLL gap", ".4f", -1),
+                 ("nll_gap_growth_per_1k", "gap growth/1k", ".4f", -1), ("perplexity", "PPL", ".3f", -1),
+                 ("mean_layers", "layers/tok", ".2f", 0)],
 }
 CHOICE_COLUMNS = [("acc", "acc", ".4f", +1), ("acc_norm", "acc_norm", ".4f", +1),
                   ("choice_agreement", "answer agree", ".4f", +1), ("mean_layers", "layers/tok", ".2f", 0),
@@ -39,6 +43,10 @@ def _setting_line(task: str, ref: dict) -> str:
         return (f"top-1 agreement on {ref['positions']} WikiText-2 test positions (windows of {ref['window']}); "
                 f"greedy generations of {ref['gen_tokens']} tokens on {ref['prompts']} prompts"
                 + (" (chat template)" if ref.get("chat") else ""))
+    if task == "longtext":
+        return (f"one document of {ref['tokens']} tokens (the Gutenberg novel, one sequence); agreement and NLL gap "
+                f"vs full depth by position, decay = least-squares slope per 1000 positions; consistency = agreement "
+                f"over positions >= {ref['long_from']}")
     n, of = ref.get("n"), ref.get("of")
     return f"{n} of {of} items" + (" (seeded random subset)" if n != of else " (full set)")
 

@@ -13,6 +13,9 @@
   choice; standard errors ``sqrt(p(1-p)/(n-1))`` (lm-eval ``mean_stderr``).
 - ``agreement``: greedy top-1 agreement per position with the full model on WikiText-2 windows, and
   exact match / longest common prefix (tokens) of greedy generations on a prompt set.
+- ``longtext``: one long document (the Gutenberg novel, ``long_tokens`` tokens in one sequence): top-1
+  agreement with full depth and NLL gap as a function of position, their decay per 1k tokens and the
+  long-text consistency score (agreement past position 2048); see :mod:`laserlm.evaluation.longtext`.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ..modes import make_mode
 from .data import ChoiceItem, load_task
 from .scoring import Scorer, encode_pair
 
-TASKS = ("wikitext", "lambada", "hellaswag", "arc_easy", "piqa", "agreement")
+TASKS = ("wikitext", "lambada", "hellaswag", "arc_easy", "piqa", "agreement", "longtext")
 REFERENCE = "full"
 
 
@@ -142,6 +145,7 @@ class EvalSettings:
     ppl_windows: int | None = None  # None = the whole file
     agreement_windows: int = 8
     gen_tokens: int = 32
+    long_tokens: int = 4096  # tokens of the long document (longtext), capped at the context size + 1
     prompts: str | None = None  # path of a prompts jsonl; None = the bundled set
     chat: bool | None = None  # None = use the chat template when the tokenizer has one
     progress: bool = True
@@ -246,6 +250,30 @@ class Evaluator:
                 "top1_agreement": float((all_argmax == ref_argmax).double().mean()),
                 "mean_layers": layers / n,
             }
+        return results
+
+    # -- long text -------------------------------------------------------------------------------
+    def _run_longtext(self) -> dict:
+        from .longtext import LONG_FROM, long_text_metrics  # noqa: PLC0415
+
+        if self.s.long_tokens < 3:
+            raise InvalidArgumentError(f"--long-tokens must be >= 3, got {self.s.long_tokens}")
+        tok = self.lm.tokenizer
+        n = min(self.s.long_tokens, self.lm.engine.max_seq_len + 1)
+        ids = tok(load_task("longtext", self.s.data))["input_ids"][:n]
+        if len(ids) < 3:
+            raise InvalidArgumentError(f"the long document has only {len(ids)} tokens")
+        scores, results = {}, {}
+        for name in self._bar(self.names, "longtext"):
+            scores[name] = self.scorers[name].score([ids], [1])[0]
+        ref = scores[REFERENCE]
+        for name, r in scores.items():
+            agree = (r.argmax == ref.argmax).double()
+            gap = ref.token_logprobs - r.token_logprobs  # NLL_config - NLL_full
+            m = long_text_metrics(agree, gap)
+            m.update({"perplexity": math.exp(-float(r.token_logprobs.mean())), "tokens": len(ids),
+                      "mean_layers": float(r.layers.mean()), "long_from": LONG_FROM})
+            results[name] = m
         return results
 
     # -- multiple choice -------------------------------------------------------------------------

@@ -127,6 +127,11 @@ def add_parser(subparsers) -> None:
                    help="gradient-norm clipping (default: %(default)s, seed 004)")
     p.add_argument("--threshold-decay", type=_probability("--threshold-decay"), default=0.95,
                    help="joint-stage exit-threshold decay per epoch (default: %(default)s, seed 004)")
+    p.add_argument("--no-predictor", action="store_true",
+                   help="skip the pre-layer complexity predictor (seed 000 §2.1; trained and certified by default, "
+                        "used with adaptive:laser=PATH,policy=predictor)")
+    p.add_argument("--predictor-steps", type=_positive(int, "--predictor-steps", True), default=300,
+                   help="complexity-predictor training steps (full batch; default: %(default)s)")
     p.add_argument("--router-prompts", type=_positive(int, "--router-prompts", True), default=48,
                    help="prompts for router labels (0 = no router; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
@@ -145,6 +150,7 @@ def add_parser(subparsers) -> None:
 def config_from_args(args):
     from .gates import GateTrainConfig  # noqa: PLC0415
     from .pipeline import CalibrateConfig  # noqa: PLC0415
+    from .predictor import PredictorTrainConfig  # noqa: PLC0415
     from .train import HeadTrainConfig, JointTrainConfig  # noqa: PLC0415
 
     target = args.target_agreement
@@ -158,6 +164,8 @@ def config_from_args(args):
         heads=HeadTrainConfig(steps=args.head_steps, batch_tokens=args.batch_tokens, lr=args.head_lr,
                               grad_clip=args.grad_clip, seed=args.seed),
         gates=GateTrainConfig(steps=args.gate_steps, seed=args.seed),
+        predictor=not args.no_predictor,
+        predictor_train=PredictorTrainConfig(steps=args.predictor_steps, seed=args.seed),
         joint=JointTrainConfig(epochs=args.joint_epochs, lr=args.joint_lr, warmup_steps=args.warmup_steps,
                                grad_clip=args.grad_clip, threshold_decay=args.threshold_decay, seed=args.seed),
         router_prompts=args.router_prompts, target_agreement=target, max_ppl_increase=args.max_ppl_increase,
@@ -209,6 +217,8 @@ def cmd_calibrate(args) -> int:
     else:
         print(format_summary(summary))
         print(f"wrote {out} (report: {out.with_suffix('.json')})", file=sys.stderr)
+    for w in summary.get("warnings", []):
+        print(f"laserlm: warning: {w}", file=sys.stderr)
     if not summary["held_out"]["target_met"]:
         print("laserlm: warning: the held-out split missed the target although the calibration split certified it. "
               "Positions of one document are correlated, so small splits overstate the evidence: use more "

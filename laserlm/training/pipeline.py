@@ -35,6 +35,8 @@ from ..errors import InvalidArgumentError
 from .collect import ExitStates, collect_exit_states, load_text_tokens
 from .gates import GateTrainConfig, auroc, gate_probabilities, make_gates, train_gate
 from .heads import make_exit_heads
+from .predictor import (PredictorTrainConfig, certify_predictor, held_out_report, predictor_inputs,
+                        teacher_forced_probs, train_predictor)
 from .router import collect_router_data, train_router
 from .stages import Stage, StageRunner
 from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
@@ -65,6 +67,8 @@ class CalibrateConfig:
     heads: HeadTrainConfig = field(default_factory=HeadTrainConfig)
     gates: GateTrainConfig = field(default_factory=GateTrainConfig)
     joint: JointTrainConfig = field(default_factory=JointTrainConfig)
+    predictor: bool = True             # train + certify the pre-layer complexity predictor (seed 000 §2.1)
+    predictor_train: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
     router_prompts: int = 48           # 0 disables the router
     router_prompt_len: int = 64
     router_continuation: int = 8
@@ -313,6 +317,61 @@ def _thresholds(ctx):
     ctx.update(cal=cal, dec=dec, held_loss=held_loss, layers=layers)
 
 
+def _predictor_data(ctx, split, outputs):
+    exits = ctx["exits"]
+    agree = torch.stack([outputs.agree[e] for e in exits])
+    return agree, predictor_inputs(ctx["engine"], ctx["tokens"], split, ctx["cfg"].seq_len, agree, exits,
+                                   ctx["cfg"].predictor_train.context)
+
+
+def _new_predictor(ctx):
+    pc = ctx["cfg"].predictor_train
+    from ..depth.predictor import ComplexityPredictor  # noqa: PLC0415
+
+    return ComplexityPredictor(ctx["engine"].config.hidden_size, ctx["exits"], pc.context, pc.channels,
+                               uses_ats=ctx["ats_layer"] is not None)
+
+
+def _predictor(ctx):
+    """Train the complexity predictor on the gate split (the gates' labels, teacher forcing)."""
+    pred = ctx["predictor"] = _new_predictor(ctx)
+    agree, inputs = _predictor_data(ctx, ctx["gate_split"], ctx["g_out"])
+    ctx["predictor_curve"] = train_predictor(pred, inputs, agree, ctx["cfg"].predictor_train)
+    return {"predictor": pred.state_dict(), "curve": ctx["predictor_curve"]}
+
+
+def _load_predictor(ctx, saved):
+    ctx["predictor"] = _new_predictor(ctx)
+    ctx["predictor"].load_state_dict(saved["predictor"])
+    ctx["predictor_curve"] = list(saved.get("curve", []))
+
+
+def _predictor_thresholds(ctx):
+    """Certify the predictor's threshold on the calibration split (decisions made in order, exact states:
+    the ``deferred`` bridge) and measure it on the held-out split."""
+    cfg, L, pred = ctx["cfg"], ctx["L"], ctx["predictor"]
+    t0 = time.perf_counter()
+    g_agree, g_in = _predictor_data(ctx, ctx["gate_split"], ctx["g_out"])
+    c_agree, c_in = _predictor_data(ctx, ctx["calib"], ctx["c_out"])
+    h_agree, h_in = _predictor_data(ctx, ctx["held"], ctx["after"])
+    stack = lambda d: torch.stack([d[e] for e in ctx["exits"]])  # noqa: E731
+    cands = candidate_thresholds(teacher_forced_probs(pred, g_in), num=60)
+    cal, _ = certify_predictor(pred, c_in, c_agree, L, target_agreement=cfg.target_agreement,
+                               max_ppl_increase=cfg.max_ppl_increase, nll=stack(ctx["c_out"].nll),
+                               full_nll=ctx["c_out"].full_nll, delta=cfg.delta, method=cfg.p_value, candidates=cands,
+                               counted=_counted(ctx, ctx["calib"]))
+    held = held_out_report(pred, h_in, h_agree, L, cal.threshold, counted=_counted(ctx, ctx["held"]))
+    if cfg.target_agreement is not None:
+        held["target_met"] = bool(held["agreement"] >= cfg.target_agreement)
+    h_probs = teacher_forced_probs(pred, h_in)
+    auc = [round(auroc(h_probs[i], h_agree[i]), 4) for i in range(len(ctx["exits"]))]
+    ctx["predictor_report"] = {
+        "bridge": "deferred", "threshold": cal.threshold, "calibration": {k: v for k, v in cal.to_dict().items()
+                                                                           if k != "curve"},
+        "held_out": held, "auroc_teacher_forced": auc, "train_curve": ctx.get("predictor_curve"),
+        "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def _threshold_settings(ctx):
     cfg = ctx["cfg"]
     return {k: getattr(cfg, k) for k in ("target_agreement", "max_ppl_increase", "delta", "p_value", "bridge")}
@@ -332,9 +391,46 @@ STAGES = (
     Stage("outputs", _outputs, _load_outputs, after=("collect", "heads", "gates", "joint"),
           owns=("propagate_calib.pt", "propagate_held.pt")),
     Stage("thresholds", _thresholds, after=("outputs",), settings=_threshold_settings, saves=False),
+    Stage("predictor", _predictor, _load_predictor, after=("collect", "heads", "gates", "joint", "outputs"),
+          settings=lambda ctx: asdict(ctx["cfg"].predictor_train), when=lambda ctx: ctx["cfg"].predictor),
+    Stage("predictor_thresholds", _predictor_thresholds, after=("outputs", "predictor"), settings=_threshold_settings,
+          saves=False, when=lambda ctx: ctx["cfg"].predictor),
 )
 """The stages of ``laserlm calibrate``, in order: collect hidden states -> exit heads -> exit gates ->
-[joint heads+gates] -> [router] -> exit-head outputs of the fixed modules -> thresholds."""
+[joint heads+gates] -> [router] -> exit-head outputs of the fixed modules -> thresholds -> [complexity predictor
+-> its threshold]."""
+
+
+SHALLOW_SHARE = 0.5  # share of the exits at the first exit point above which the gates look shallow-biased
+SHALLOW_MIN_EXITS = 20
+
+
+def shallow_exit_bias(dec: torch.Tensor, loss: torch.Tensor, num_exits: int, allowed: float | None) -> str | None:
+    """A warning when the exit gates are biased toward shallow layers on held-out text (the seed's failure
+    mode), else ``None``: at least :data:`SHALLOW_MIN_EXITS` held-out positions exit, at least
+    :data:`SHALLOW_SHARE` of them at the first exit point, and (when ``allowed`` is given, the target's allowed
+    disagreement) their loss rate there exceeds ``allowed``.
+
+    Args:
+        dec: ``[n]`` exit index per held-out position (``num_exits`` = full depth).
+        loss: ``[n]`` per-position loss (disagreement 0/1, or NLL increase).
+    The returned text has a ``{exit}`` field for the first exit point's layer.
+    """
+    exited = dec < num_exits
+    n_exit = int(exited.sum())
+    if n_exit < SHALLOW_MIN_EXITS:
+        return None
+    first = dec == 0
+    share = int(first.sum()) / n_exit
+    if share < SHALLOW_SHARE:
+        return None
+    rate = float(loss[first].double().mean()) if first.any() else 0.0
+    if allowed is not None and rate <= allowed:
+        return None
+    return (f"exit gates look biased toward shallow layers: {share:.0%} of the held-out exits stop at the first "
+            "exit point (layer {exit})" + (f", where the loss rate is {rate:.3f} > the {allowed:.3f} the target "
+                                          "allows" if allowed is not None else "")
+            + "; consider a larger --min-depth or more calibration text")
 
 
 def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
@@ -362,6 +458,9 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
     exited = dec < len(exits)
     measured["loss_at_exited_tokens"] = round(float((held_loss * exited).sum()) / max(n_held, 1), 5)
     measured["loss_at_full_depth_tokens"] = round(float((held_loss * ~exited).sum()) / max(n_held, 1), 5)
+    measured["exit_histogram"] = {str(e): int((dec == i).sum()) for i, e in enumerate(exits)}
+    measured["exit_histogram"][str(engine.num_layers)] = int((dec == len(exits)).sum())
+    bias = shallow_exit_bias(dec, held_loss, len(exits), allowed=(1 - cfg.target_agreement) if kind == "agreement" else None)
     if kind == "agreement":
         measured["agreement"] = round(1 - float(held_loss.mean()), 5)
         measured["target_met"] = bool(measured["agreement"] >= cfg.target_agreement)
@@ -376,6 +475,8 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
                           "held_out": len(held)},
         "calibration": {k: v for k, v in cal.to_dict().items() if k != "curve"},
         "held_out": measured, "per_exit": per_exit, "router": ctx["router_report"],
+        "predictor": ctx.get("predictor_report"),
+        "warnings": [bias.format(exit=exits[0] if exits else 0)] if bias else [],
         "text": ctx["text_report"],
         "head_kl_first_last": [head_curve[0], head_curve[-1]] if head_curve else None,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
@@ -464,12 +565,13 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
            "progress": progress, "tokens": tokens, "chunks": chunks, "n_tok": n_tok, "router_tok": router_tok,
            "ats_layer": (exits[0] - 1) if cfg.use_ats else None, "teacher": engine.head,
            "head_curve": [], "router": None, "router_report": None, "g_out": None, "counted": counted,
+           "predictor": None, "predictor_report": None,
            "text_report": text_report}
     runner = StageRunner(work, list(STAGES), resume=resume, say=lambda m: _say(m, progress))
     runner.run(ctx)
     sec = runner.seconds
     timings = {"collect_s": load_s + sec.get("collect", 0.0)}
-    for name in ("heads", "gates", "joint", "router"):
+    for name in ("heads", "gates", "joint", "router", "predictor"):
         timings[f"{name}_s"] = sec.get(name, 0.0)
     timings["thresholds_s"] = sec.get("outputs", 0.0) + ctx["calibrate_s"]
     summary = _summary(ctx, timings, t_start)
@@ -479,9 +581,14 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     thresholds = {"gate_threshold": cal.threshold if cal.threshold is not None else 1.0}
     config = {"groups": groups.describe(), "min_depth": groups.min_depth, "policy": "gate",
               "ats_layer": ctx["ats_layer"], "bridge": cfg.bridge, "patience": 0, "calibration": summary}
+    if ctx["predictor_report"] is not None:  # policy=predictor reads these; certified on exact states
+        thr = ctx["predictor_report"]["threshold"]
+        thresholds["predictor_threshold"] = thr if thr is not None else 1.0
+        config["predictor_bridge"] = "deferred"
     save_laser_file(output, lm, LaserArtifact(heads={e: heads[str(e)] for e in exits},
                                               gates={e: gates[str(e)] for e in exits}, router=ctx["router"],
-                                              thresholds=thresholds, config=config), json_copy=True)
+                                              predictor=ctx["predictor"], thresholds=thresholds, config=config),
+                    json_copy=True)
     return summary
 
 
@@ -509,5 +616,12 @@ def format_summary(s: dict) -> str:
         acc = "n/a" if r.get("held_out_accuracy") is None else f"{r['held_out_accuracy']:.2f}"
         lines.append(f"  router: route labels (layers: prompts) {hist}; held-out accuracy {acc} on "
                      f"{r['held_out_prompts']} prompts (use with adaptive:laser=PATH,router=1)")
+    p = s.get("predictor")
+    if p:
+        ph = p["held_out"]
+        thr = "none (never exits)" if p["threshold"] is None else f"{p['threshold']:.4f}"
+        lines.append(f"  complexity predictor (pre-layer, deferred bridge): threshold {thr}; held-out agreement "
+                     f"{ph['agreement']:.4f}, mean layers {ph['mean_layers']:.2f}, {ph['exit_fraction']:.1%} exit "
+                     f"(use with adaptive:laser=PATH,policy=predictor)")
     lines.append(f"  time: {s['timings_s']}")
     return "\n".join(lines)
