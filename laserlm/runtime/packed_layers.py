@@ -112,7 +112,7 @@ def _native_args(layer):
     return args
 
 
-KERNEL_BATCH_ROWS = 4  # a paged batch of at most this many rows runs the kernel row by row (measured faster)
+KERNEL_BATCH_ROWS = 2  # a paged batch of at most this many rows runs the kernel row by row (measured faster at 2, not at 4)
 
 
 def _paged_kernel_rows(cache) -> bool:
