@@ -62,6 +62,9 @@ def _add_generate(sub) -> None:
                    help="calibration artifact from `laserlm calibrate`: runs the adaptive mode with its trained exit "
                         "heads, gates and calibrated threshold (adds laser=PATH to an adaptive or speculative --mode)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
+                   help="torch: laserlm's engine; onnxruntime: the graphs of `laserlm export onnx` (--model is then "
+                        "the export directory; modes full and adaptive) (default: %(default)s)")
     _add_sampling_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the text and stats instead of streaming")
@@ -198,6 +201,10 @@ def cmd_generate(args) -> int:
         raise LaserLMError("empty prompt: give some text to continue")
     if args.ctx_size is not None and args.ctx_size <= 0:
         raise LaserLMError(f"--ctx-size must be a positive integer, got {args.ctx_size}")
+    if getattr(args, "backend", "torch") == "onnxruntime":
+        from .export.cli import run_generate  # noqa: PLC0415
+
+        return run_generate(args, prompt, sampling)
     check_chat_template(args)
     from .defaults import check_before_load  # noqa: PLC0415
 
@@ -261,9 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(sub)
     from .bench import cli as bench_cli  # noqa: PLC0415  (the tools' subcommands; they never import this module)
     from .evaluation import cli as eval_cli  # noqa: PLC0415
+    from .export import cli as export_cli  # noqa: PLC0415
     from .training import cli as training_cli  # noqa: PLC0415
 
-    for module in (eval_cli, bench_cli, training_cli):
+    for module in (eval_cli, bench_cli, training_cli, export_cli):
         module.add_parser(sub)
     return parser
 

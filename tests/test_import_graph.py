@@ -47,7 +47,7 @@ LAYERS = [  # (rank, layer name, package prefixes or exact module names)
     (4, "registry", ("laserlm.modes",)),
     (5, "api", ("laserlm", "laserlm.api", "laserlm.defaults")),
     (6, "tool helpers", ("laserlm.cli_common", "laserlm.reports")),
-    (7, "tools", ("laserlm.training", "laserlm.evaluation", "laserlm.bench")),
+    (7, "tools", ("laserlm.training", "laserlm.evaluation", "laserlm.bench", "laserlm.export", "laserlm.precision")),
     (8, "cli", ("laserlm.cli",)),
 ]
 # sibling packages of one layer that may import the other (from, to); keep minimal and acyclic
