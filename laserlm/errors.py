@@ -47,3 +47,8 @@ class PoolFullError(LaserLMError):
 
     The message names the budget (``--kv-budget``) and what to change. Requests already admitted are never
     dropped for lack of pages (admission reserves their pages)."""
+
+
+class PrecisionError(LaserLMError):
+    """A reduced-precision forward would overflow (the message names the decoder layer); see
+    :mod:`laserlm.runtime.ranges`."""
