@@ -8,7 +8,7 @@ garbage.
   float32 but multiplies the weight after casting back to the activation dtype); the result is cast to the
   activation dtype only at the end, as the next matmul's input. Gemma3's RMSNorm already does all of it in float32.
 - :class:`Float16Guard` (installed by :class:`~laserlm.runtime.engine.Engine` for a float16 model): each decoder
-  layer runs in float16; when its output is not finite or exceeds ``limit`` (default ``65504 / 16``, headroom for
+  layer runs in float16; when its output is not finite or exceeds ``limit`` (default ``65504 / 2``, headroom for
   the next layer's residual additions), the layer is re-run in float32 (a float32 copy of that layer, made once,
   reading and writing the float16 KV cache), and from then on that layer always runs in float32 (``fallback``).
   A float32 layer's output stays float32 until it fits float16 again. A layer that is not finite even in float32
@@ -135,7 +135,7 @@ class Float16Guard:
     whose input did not fit float16)."""
 
     engine: object
-    limit: float = FP16_MAX / 16
+    limit: float = FP16_MAX / 2
     mode: str = "fallback"
     fallback: set = field(default_factory=set)
     events: list = field(default_factory=list)
