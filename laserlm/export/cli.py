@@ -98,6 +98,7 @@ def run_generate(args, prompt: str, sampling: dict) -> int:
 
     model = OnnxModel(args.model, threads=args.threads)
     decoder = make_onnx_mode(model, args.mode)
+    model.warm()
     tok = load_tokenizer(model)
     ids = encode_prompt(tok, prompt, args.chat, model.max_len)
     params = SamplingParams(**sampling).validate()

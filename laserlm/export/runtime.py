@@ -100,6 +100,12 @@ class OnnxModel:
                 raise CorruptModelError(f"{self.path / g['file']}: onnxruntime cannot load it: {exc}") from None
         return self._sessions[name]
 
+    def warm(self) -> OnnxModel:
+        """Open every graph's session now (otherwise each opens on first use, inside the first token's time)."""
+        for name in self.manifest["graphs"]:
+            self.session(name)
+        return self
+
     def check_inputs(self, name: str, feeds: dict) -> None:
         """Check ``feeds`` against graph ``name``'s declared inputs and the manifest's bounds.
 
