@@ -141,3 +141,33 @@ def test_generate_monitor_ranges_json(smol, capsys):
     assert main(["generate", "--weights", "fp32", "--monitor-ranges", "--json", "-n", "3", "-t", "1", "Hello"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["ranges"]) == 30 and all(r["calls"] >= 3 and r["nan"] == 0 for r in out["ranges"])
+
+
+def test_adaptive_propagate_under_the_float16_guard_matches_float32():
+    """Exits after the overflowing layer hand a float32 hidden state to the propagate bridge and the exit head."""
+    from laserlm.depth import ExitHead
+    from laserlm.modes import make_mode
+
+    m = hot_model()
+    spec = "adaptive:groups=2,min_depth=4,threshold=0.0,patience=0,bridge=propagate"
+    seqs = {}
+    for name, e in (("32", Engine(m, max_seq_len=64)), ("16", Engine(copy.deepcopy(m).half(), max_seq_len=64))):
+        mode = make_mode(spec, e)
+        rs, cache = mode.new_state(e), e.new_cache()
+        tok = int(mode.prefill_logits(e, rs, cache, IDS[0]).argmax())
+        seq = []
+        for _ in range(8):
+            logits, info = mode.decode(e, rs, cache, tok)
+            assert info["exit_layer"] == 4 and bool(torch.isfinite(logits).all())
+            tok = int(logits.argmax())
+            seq.append(tok)
+        seqs[name] = seq
+    assert seqs["16"] == seqs["32"]
+    # a trained (affine) exit head in float16 adapts a float32 hidden state in float32
+    e16 = Engine(copy.deepcopy(m).half(), max_seq_len=64)
+    head = ExitHead(e16.adapter, "affine")
+    with torch.no_grad():
+        head.proj.weight.add_(torch.randn(64, 64).half() * 0.01)
+    h = torch.randn(2, 64) * 1e5
+    want = torch.nn.functional.linear(h, head.proj.weight.float(), head.proj.bias.float())
+    assert torch.equal(head.adapt(h), want) and bool(torch.isfinite(head(h)).all())
