@@ -245,6 +245,7 @@ def test_cli_errors_are_one_line(tiny_llama_export, tmp_path, capsys):
     assert "drop --weights" in line
     line = run_cli(capsys, ["export", "onnx", "--out", str(tmp_path / "o"), "--laser", str(tmp_path / "no.laser")])
     assert "laser file not found" in line
+    assert "give a format" in run_cli(capsys, ["export"])
 
 
 # -- TensorRT profile -------------------------------------------------------------------------------
@@ -333,3 +334,19 @@ def test_smollm2_cli_generate_onnxruntime(smol, smol_export, capsys):
     got = json.loads(capsys.readouterr().out)
     ref = smol.generate("The capital of France is", max_new_tokens=12, ignore_eos=True)
     assert got["text"] == ref.text and got["backend"] == "onnxruntime"
+
+
+@pytest.mark.slow
+def test_cli_export_writes_graphs_manifest_and_tensorrt_profile(tmp_path, capsys):
+    from laserlm.cli import main
+
+    out = tmp_path / "smol"
+    assert main(["export", "onnx", "--model", "smollm2-135m", "--out", str(out), "--max-len", "64", "--groups", "10",
+                 "--peak-concurrency", "5", "--no-progress", "-t", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "exported 7 graphs" in text and "NOT built" in text
+    man = read_manifest(out)
+    assert man["shapes"]["batch"] == [1, 6] and man["shapes"]["max_len"] == 64 and man["groups_spec"] == "0-9/10-19/20-29"
+    prof = json.loads((out / "tensorrt_profile.json").read_text())
+    assert prof["batch"] == [1, 5, 6] and set(prof["graphs"]) == set(man["graphs"])
+    assert (out / "tokenizer").is_dir()

@@ -42,7 +42,11 @@ def add_parser(sub) -> None:
     o.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for the export")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     o.set_defaults(func=cmd_export_onnx)
-    p.set_defaults(func=lambda args: (_ for _ in ()).throw(LaserLMError("give a format: `laserlm export onnx ...`")))
+    p.set_defaults(func=_no_format)
+
+
+def _no_format(args) -> int:
+    raise LaserLMError("give a format: `laserlm export onnx --model M --out DIR`")
 
 
 def cmd_export_onnx(args) -> int:

@@ -20,8 +20,9 @@ Dynamic axes: ``batch``, ``new_tokens``, ``past``. The declared bounds are in th
 1..max_batch, new_tokens >= 1, past >= 0, past + new_tokens <= max_len (the rotary tables in the graphs cover
 ``max_len`` positions). Only float32 is exported (the exactness reference; reduced precision: :mod:`laserlm.precision`).
 
-Raises (from :func:`export_onnx`): :class:`~laserlm.errors.InvalidArgumentError` for bad groups, bounds, a
-non-float32 or packed model, an output directory that is not empty of an earlier export's files.
+Raises (from :func:`export_onnx`): :class:`~laserlm.errors.InvalidArgumentError` for bad groups or bounds, a
+non-float32 or packed model, an output path that is a file. Files of an earlier export in the directory are
+overwritten.
 """
 
 from __future__ import annotations
