@@ -308,13 +308,21 @@ def test_generation_stats_are_strict_json():
 
 @pytest.mark.slow
 def test_gemma3_float16_generation_raises_instead_of_emitting_token_zero():
-    """The report's replay, bypassing the API's refusal: Gemma3-270M in float16 overflows (inf at layer 7,
-    then NaN logits); the generation loop must raise, not return token id 0 with finish_reason="length"."""
+    """The report's replay: Gemma3-270M in raw float16 overflows (inf at layer 7, then NaN logits); the generation
+    loop must raise, not return token id 0 with finish_reason="length". Since issue 16 a float16 engine runs under
+    the float16 guard, which is switched off here to get the raw float16 model; guarded, the same model generates
+    float32's greedy text."""
     from dataclasses import replace
 
     from laserlm.errors import NonFiniteLogitsError
 
     loaded = laserlm.load("gemma3-270m", dtype="float32").loaded
+    ref = LaserLM(loaded).generate("The meaning of life is", max_new_tokens=12, ignore_eos=True)
     half = replace(loaded, model=loaded.model.half(), dtype=torch.float16)
+    raw = LaserLM(half)
+    raw.engine.precision_guard.mode = "off"
     with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
-        LaserLM(half).generate("The meaning of life is", max_new_tokens=12)
+        raw.generate("The meaning of life is", max_new_tokens=12)
+    guarded = LaserLM(half)
+    assert guarded.engine.precision_guard.mode == "fallback"
+    assert guarded.generate("The meaning of life is", max_new_tokens=12, ignore_eos=True).text == ref.text
