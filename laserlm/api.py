@@ -249,12 +249,12 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
     ``threshold=0.5, block_size=64, dense_layers=2``) configure block-sparse attention
     (:func:`laserlm.attention.parse_attention`).
 
-    ``dtype``: ``"float32"`` (default) or ``"bfloat16"``; ``"float16"`` is refused with the CLI's message
-    (it overflows in these models, :mod:`laserlm.models.dtypes`).
+    ``dtype``: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` (runs under the float16 guard: norms in
+    float32, float32 fallback for a layer that would overflow, :mod:`laserlm.runtime.ranges`).
 
     Raises:
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
-        InvalidArgumentError (bad dtype, float16 included, or attention options).
+        InvalidArgumentError (bad dtype or attention options).
     """
     return LaserLM(load_model(name, dtype=dtype, weights=weights), max_seq_len=max_seq_len, attention=attention,
                    **attention_options)

@@ -48,6 +48,12 @@ def _add_generate(sub) -> None:
                    help="calibration artifact from `laserlm calibrate`: runs the adaptive mode with its trained exit "
                         "heads, gates and calibrated threshold (adds laser=PATH to an adaptive or speculative --mode)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--monitor-ranges", action="store_true",
+                   help="record every decoder layer's max |output| and NaN/inf counts; print the table on stderr (and "
+                        "add it to --json)")
+    p.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
+                   help="torch: laserlm's engine; onnxruntime: the graphs of `laserlm export onnx` (--model is then "
+                        "the export directory; modes full and adaptive) (default: %(default)s)")
     _add_sampling_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object with the text and stats instead of streaming")
@@ -176,17 +182,28 @@ def cmd_generate(args) -> int:
         raise LaserLMError("empty prompt: give some text to continue")
     if args.ctx_size is not None and args.ctx_size <= 0:
         raise LaserLMError(f"--ctx-size must be a positive integer, got {args.ctx_size}")
+    if getattr(args, "backend", "torch") == "onnxruntime":
+        from .export.cli import run_generate  # noqa: PLC0415
+
+        return run_generate(args, prompt, sampling)
     check_chat_template(args)
     from .defaults import check_before_load  # noqa: PLC0415
 
     check_before_load(args.model, [args.mode])  # bare adaptive/speculative on a non-bundled model: refuse now
     lm = load_from_args(args)
+    monitor = None
+    if getattr(args, "monitor_ranges", False):
+        from .runtime.ranges import RangeMonitor  # noqa: PLC0415
+
+        monitor = RangeMonitor(lm.engine)
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:
         result = gen.run()
         out = {"model": args.model, "weights": lm.weights, "dtype": str(lm.engine.dtype).replace("torch.", ""),
                "mode": args.mode, "text": result.text,
                **result.stats()}
+        if monitor is not None:
+            out["ranges"] = monitor.report()
         print(json.dumps(out))
         return 0
     for piece in gen:
@@ -200,6 +217,8 @@ def cmd_generate(args) -> int:
     print(f"[{r.prompt_tokens} prompt tokens, {r.generated_tokens} generated, TTFT {r.ttft_s * 1000:.0f} ms, "
           f"{r.decode_tokens_per_s:.1f} tok/s, {r.mean_layers_per_token:.1f} layers/token, "
           f"finish: {r.finish_reason}]", file=sys.stderr)
+    if monitor is not None:
+        monitor.print_table()
     return 0
 
 
@@ -239,11 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(sub)
     from .bench import cli as bench_cli  # noqa: PLC0415  (the tools' subcommands; they never import this module)
     from .evaluation import cli as eval_cli  # noqa: PLC0415
+    from .export import cli as export_cli  # noqa: PLC0415
     from .profiling import cli as profile_cli  # noqa: PLC0415
     from .serve import cli as serve_cli  # noqa: PLC0415
     from .training import cli as training_cli  # noqa: PLC0415
 
-    for module in (eval_cli, bench_cli, training_cli, profile_cli, serve_cli):
+    for module in (eval_cli, bench_cli, training_cli, profile_cli, serve_cli, export_cli):
         module.add_parser(sub)
     return parser
 

@@ -16,8 +16,8 @@ from .errors import InvalidArgumentError, LaserLMError
 
 
 def dtype_arg(value: str) -> str:
-    """``--dtype`` values: the API's check (:func:`laserlm.models.dtypes.check_offered_dtype`), so both refuse
-    float16 with the same message."""
+    """``--dtype`` values: the API's check (:func:`laserlm.models.dtypes.check_offered_dtype`), one message for
+    both."""
     from .models.dtypes import check_offered_dtype  # noqa: PLC0415
 
     try:
@@ -40,8 +40,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "exact reference path, bf16; auto = native for a GGUF file unless --dtype is given, else "
                         "fp32 (default: %(default)s)")
     p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{" + ",".join(OFFERED_DTYPES) + "}",
-                   help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 is not "
-                        "offered: it overflows)")
+                   help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 runs guarded: "
+                        "norms in float32, a layer that would overflow falls back to float32)")
     p.add_argument("--ctx-size", "-c", type=int, default=None,
                    help="context size of the KV cache in tokens (default: min(4096, model limit))")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")

@@ -52,3 +52,8 @@ class PoolFullError(LaserLMError):
 class QueueFullError(PoolFullError):
     """The waiting queue is at its bound (``max_queue``): the request would fit, but not now. A server answers
     it with 429 (retry later), unlike a request that could never fit the budget (400)."""
+
+
+class PrecisionError(LaserLMError):
+    """A reduced-precision forward would overflow (the message names the decoder layer); see
+    :mod:`laserlm.runtime.ranges`."""

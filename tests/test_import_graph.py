@@ -14,7 +14,7 @@ counted on their own). Layers, bottom first (a module may import its own layer a
 | 4 | registry | ``laserlm.modes`` (the table of named modes) |
 | 5 | api | ``laserlm`` (package root), ``laserlm.api``, ``laserlm.defaults`` (calibrated defaults of bare mode specs) |
 | 6 | tool helpers | ``laserlm.cli_common`` (CLI helpers shared by the tools' subcommands and the CLI), ``laserlm.reports`` (report helpers of ``eval`` and ``bench``) |
-| 7 | tools | ``laserlm.training.*``, ``laserlm.evaluation.*``, ``laserlm.bench.*``, ``laserlm.profiling.*``, ``laserlm.serve.*`` |
+| 7 | tools | ``laserlm.training.*``, ``laserlm.evaluation.*``, ``laserlm.bench.*``, ``laserlm.profiling.*``, ``laserlm.serve.*``, ``laserlm.export.*``, ``laserlm.precision.*`` |
 | 8 | cli | ``laserlm.cli`` |
 
 Within a layer, packages are siblings and may not import each other (depth, speculative and attention; training,
@@ -48,13 +48,14 @@ LAYERS = [  # (rank, layer name, package prefixes or exact module names)
     (5, "api", ("laserlm", "laserlm.api", "laserlm.defaults")),
     (6, "tool helpers", ("laserlm.cli_common", "laserlm.reports")),
     (7, "tools", ("laserlm.training", "laserlm.evaluation", "laserlm.bench", "laserlm.profiling",
-                  "laserlm.serve")),
+                  "laserlm.serve", "laserlm.export", "laserlm.precision")),
     (8, "cli", ("laserlm.cli",)),
 ]
 # sibling packages of one layer that may import the other (from, to); keep minimal and acyclic
 ALLOWED_SIBLING_EDGES = {("laserlm.speculative", "laserlm.depth"), ("laserlm", "laserlm.api"),
                          ("laserlm.data", "laserlm.errors"),  # the data resolver raises DataFileError
-                         ("laserlm.api", "laserlm.defaults")}
+                         ("laserlm.api", "laserlm.defaults"),
+                         ("laserlm.profiling", "laserlm.precision")}  # `profile --precision` dispatches there
 
 
 def module_names(root: Path = ROOT) -> dict[str, Path]:

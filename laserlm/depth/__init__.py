@@ -34,7 +34,7 @@ from .scheduler import AdaptiveDepth
 __all__ = ["AdaptiveDepth", "AdaptiveOptions", "AllOf", "AnyOf", "AttentionTransition", "BRIDGES", "Compensation",
            "Confidence", "BatchPoint", "DEFAULT_BRIDGE", "DynamicRouter", "EarlyExitOptions", "ExitGate", "ExitHead",
            "ExitPolicy", "GatePolicy", "LaserArtifact", "LayerGroups", "LayerSubset", "Never", "Saturation",
-           "StaticOptions", "block_influence", "default_min_depth", "gate_scalars_batch", "load_laser_file",
+           "StaticOptions", "adaptive_settings", "block_influence", "default_min_depth", "gate_scalars_batch", "load_laser_file",
            "make_adaptive", "make_bridge", "make_early_exit", "make_groups", "make_policy", "make_static", "project_kv",
            "pruned_layers", "save_laser_file"]
 
@@ -103,6 +103,42 @@ def _given(value, default):
     return default if value is None else value
 
 
+def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int) -> tuple:
+    """``(groups, policy, bridge name, patience, ats_layer)`` of mode ``adaptive`` from its parsed options ``o``
+    and a laser artifact ``art`` (or ``None``): a given option wins, else the file's value, else the default.
+    Shared by :func:`make_adaptive` and the onnxruntime backend (:mod:`laserlm.export.runtime`), so both run the
+    same exit rule.
+
+    Raises:
+        InvalidArgumentError: bad groups, thresholds or policy names.
+    """
+    file_cfg = art.config if art else {}
+    file_thr = art.thresholds if art else {}
+    groups = make_groups(_given(o.groups, file_cfg.get("groups")), num_layers,
+                         _given(o.min_depth, file_cfg.get("min_depth")))
+    policy = make_policy(
+        _given(o.policy, file_cfg.get("policy", "confidence")),
+        threshold=_given(o.threshold, file_thr.get("threshold")),
+        measure=_given(o.measure, file_cfg.get("measure", "max")),
+        saturation_threshold=o.saturation_threshold,
+        ats_threshold=o.ats_threshold,
+        gate_threshold=_given(o.gate_threshold, file_thr.get("gate_threshold")),
+        combine=o.combine,
+        compensation=o.compensation,
+        gates=art.gates if art else None,
+        vocab_size=vocab_size,
+        predictor=art.predictor if art else None,
+        predictor_threshold=_given(o.predictor_threshold, file_thr.get("predictor_threshold")),
+    )
+    file_bridge = art.bridge if art else DEFAULT_BRIDGE  # a laser file: what it was calibrated for
+    if art is not None and o.policy is not None and "predictor" in o.policy:  # the predictor's own certificate
+        file_bridge = file_cfg.get("predictor_bridge", file_bridge)
+    bridge = _given(o.bridge, file_bridge)
+    patience = _given(o.patience, file_cfg.get("patience", 3))
+    ats_layer = _given(o.ats_layer, file_cfg.get("ats_layer"))
+    return groups, policy, bridge, patience, ats_layer
+
+
 def make_adaptive(engine, **opts) -> AdaptiveDepth:
     """Factory of mode ``adaptive`` (options as strings or values, :class:`AdaptiveOptions`; see the package
     docstring).
@@ -115,30 +151,8 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
     laser_path = o.laser
     if laser_path is not None:
         art = load_laser_file(laser_path, engine)
-    file_cfg = art.config if art else {}
-    file_thr = art.thresholds if art else {}
     L = engine.num_layers
-    groups = make_groups(_given(o.groups, file_cfg.get("groups")), L, _given(o.min_depth, file_cfg.get("min_depth")))
-    policy = make_policy(
-        _given(o.policy, file_cfg.get("policy", "confidence")),
-        threshold=_given(o.threshold, file_thr.get("threshold")),
-        measure=_given(o.measure, file_cfg.get("measure", "max")),
-        saturation_threshold=o.saturation_threshold,
-        ats_threshold=o.ats_threshold,
-        gate_threshold=_given(o.gate_threshold, file_thr.get("gate_threshold")),
-        combine=o.combine,
-        compensation=o.compensation,
-        gates=art.gates if art else None,
-        vocab_size=engine.config.vocab_size,
-        predictor=art.predictor if art else None,
-        predictor_threshold=_given(o.predictor_threshold, file_thr.get("predictor_threshold")),
-    )
-    file_bridge = art.bridge if art else DEFAULT_BRIDGE  # a laser file: what it was calibrated for
-    if art is not None and o.policy is not None and "predictor" in o.policy:  # the predictor's own certificate
-        file_bridge = file_cfg.get("predictor_bridge", file_bridge)
-    bridge = _given(o.bridge, file_bridge)
-    patience = _given(o.patience, file_cfg.get("patience", 3))
-    ats_layer = _given(o.ats_layer, file_cfg.get("ats_layer"))
+    groups, policy, bridge, patience, ats_layer = adaptive_settings(o, art, L, engine.config.vocab_size)
     router = None
     if o.router:
         if art is None or art.router is None:

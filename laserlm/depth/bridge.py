@@ -40,7 +40,9 @@ def project_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     Returns ``(k, v)`` each ``[B, n_kv, T, head_dim]`` (what the attention module writes to the cache).
     """
     attn = layer.self_attn
-    x = layer.input_layernorm(hidden)
+    # a float16 engine's guard may hand over a float32 hidden state (laserlm.runtime.ranges); the norm's output is
+    # bounded, so it is cast to the projections' dtype (a no-op otherwise)
+    x = layer.input_layernorm(hidden).to(attn.k_proj.weight.dtype)
     shape = (*x.shape[:-1], -1, attn.head_dim)
     k = attn.k_proj(x).view(shape).transpose(1, 2)
     v = attn.v_proj(x).view(shape).transpose(1, 2)

@@ -65,12 +65,21 @@ class ExitHead(nn.Module):
                 self.up.weight.zero_()
 
     def adapt(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Apply the adapter only: ``[.., d] -> [.., d]``."""
+        """Apply the adapter only: ``[.., d] -> [.., d]``. A hidden state in another dtype than the adapter's (a
+        float16 engine's float32 residual stream, :mod:`laserlm.runtime.ranges`) is adapted in float32."""
+        if self.kind != "none" and hidden.dtype != next(self.parameters()).dtype:
+            return self._adapt_fp32(hidden.float())
         if self.kind == "affine":
             return self.proj(hidden)
         if self.kind == "lowrank":
             return hidden + self.up(self.down(hidden))
         return hidden
+
+    def _adapt_fp32(self, h: torch.Tensor) -> torch.Tensor:
+        f = torch.nn.functional
+        if self.kind == "affine":
+            return f.linear(h, self.proj.weight.float(), self.proj.bias.float())
+        return h + f.linear(f.linear(h, self.down.weight.float()), self.up.weight.float())
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._base.logits(self.adapt(hidden)).float()

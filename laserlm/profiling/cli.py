@@ -29,9 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--long-data", default=None, metavar="FILE",
                    help="long document for the sparse-attention density (default: the Gutenberg novel of the data "
                         "directory)")
-    p.add_argument("--tokens", type=int, default=1024,
+    p.add_argument("--tokens", type=int, default=None,
                    help="calibration tokens: the quick lens is fitted on the first half, scored on the second "
-                        "(default: %(default)s)")
+                        "(default: 1024; with --precision: tokens of WikiText-2 test scored, default 256)")
     p.add_argument("--sensitivity-tokens", type=int, default=256,
                    help="positions scored per skip-sensitivity run (default: %(default)s)")
     p.add_argument("--sparse-lengths", default="512,1024,2048", metavar="N[,N...]",
@@ -50,6 +50,13 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG plot")
     p.add_argument("--out", default=None, metavar="DIR", help="write profile.json, profile.md and profile.png to DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("precision profile (laserlm.precision)")
+    g.add_argument("--precision", action="store_true",
+                   help="instead: the precision profile, float16 / bfloat16 beside float32 (per-layer max |x| vs "
+                        "the dtype's range, NaN/inf, per-layer and per-head error, perplexity per dtype)")
+    g.add_argument("--dtypes", default="float16,bfloat16", help="dtypes of --precision (default: %(default)s)")
+    g.add_argument("--top", type=int, default=5, help="most sensitive layers/heads --precision lists "
+                                                      "(default: %(default)s)")
     p.set_defaults(func=cmd_profile)
 
 
@@ -70,6 +77,7 @@ def _ints(text: str | None, flag: str) -> list[int] | None:
 def _validate(args) -> None:
     if args.model_name:
         args.model = args.model_name
+    args.tokens = 1024 if args.tokens is None else args.tokens
     if args.tokens < 16:
         raise InvalidArgumentError(f"--tokens must be >= 16, got {args.tokens}")
     for name in ("sensitivity_tokens", "context", "reps"):
@@ -99,6 +107,12 @@ def _long_ids(args, tok):
 
 
 def cmd_profile(args) -> int:
+    if args.precision:
+        from ..precision.cli import run_precision_profile  # noqa: PLC0415
+
+        args.model = args.model_name or args.model
+        args.tokens = 256 if args.tokens is None else args.tokens
+        return run_precision_profile(args)
     _validate(args)
     lm = load_from_args(args)
     import torch  # noqa: PLC0415

@@ -128,6 +128,13 @@ class Engine:
         self.native_layers = True
         self._packed = {i for i, layer in enumerate(a.layers) if getattr(layer, "laserlm_packed", None) is not None}
         self.weights = getattr(self.loaded, "weights", None) or ("bf16" if self.dtype == torch.bfloat16 else "fp32")
+        # float16 overflows in these models: every layer is guarded (float32 fallback per layer, norms in float32)
+        self.precision_guard = None
+        if self.dtype == torch.float16:
+            from .ranges import Float16Guard  # noqa: PLC0415
+
+            self.precision_guard = Float16Guard(self).install()
+            self.weights = "fp16"
 
     @classmethod
     def from_pretrained(cls, name: str, dtype: str = "float32", max_seq_len: int | None = None,

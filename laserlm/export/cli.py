@@ -1,0 +1,143 @@
+"""``laserlm export onnx`` and the onnxruntime side of ``laserlm generate --backend onnxruntime``.
+
+``add_parser(sub)`` registers ``export`` (called by :func:`laserlm.cli.build_parser`); :func:`run_generate` is what
+``generate`` calls for ``--backend onnxruntime`` (``--model`` is then the export directory).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import InvalidArgumentError, LaserLMError
+
+BACKENDS = ("torch", "onnxruntime")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("export", help="export a model (ONNX per layer group, TensorRT build profile)",
+                       description="Export a model for other runtimes.")
+    fmt = p.add_subparsers(dest="format", metavar="FORMAT")
+    o = fmt.add_parser("onnx", help="one ONNX graph per layer group + embedding, bridges, exit heads and final head",
+                       description="Export the float32 model to ONNX (opset 13, TorchScript exporter, dynamic batch / "
+                                   "new-token / past axes): embed.onnx, group_<g>.onnx, bridge_<g>.onnx, head.onnx, "
+                                   "exit_<layer>.onnx and manifest.json. Run it with `laserlm generate --backend "
+                                   "onnxruntime --model DIR`.")
+    o.add_argument("--model", "-m", default="smollm2-135m", help="model to export (default: %(default)s)")
+    o.add_argument("--out", "-o", required=True, metavar="DIR", help="output directory")
+    o.add_argument("--groups", default=None, metavar="SPEC",
+                   help="layer groups: size ('5'), end boundaries ('8/16/30') or ranges (default: the laser file's, "
+                        "else groups of 5)")
+    o.add_argument("--laser", default=None, metavar="PATH",
+                   help="laser file from `laserlm calibrate`: exports its exit heads, records its gates and thresholds")
+    o.add_argument("--max-len", type=int, default=2048,
+                   help="declared maximum context, past + new tokens (default: %(default)s)")
+    o.add_argument("--peak-concurrency", type=int, default=1,
+                   help="expected peak concurrent requests; max batch = ceil(1.2 x this) (seed 004 §3.1; default: "
+                        "%(default)s)")
+    o.add_argument("--max-batch", type=int, default=None,
+                   help="declared maximum batch (default: ceil(1.2 x --peak-concurrency))")
+    o.add_argument("--no-tensorrt", action="store_true", help="do not write the TensorRT build profile")
+    o.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for the export")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.set_defaults(func=cmd_export_onnx)
+    p.set_defaults(func=_no_format)
+
+
+def _no_format(args) -> int:
+    raise LaserLMError("give a format: `laserlm export onnx --model M --out DIR`")
+
+
+def cmd_export_onnx(args) -> int:
+    from ..cli_common import apply_threads  # noqa: PLC0415
+    from .onnx import export_onnx  # noqa: PLC0415
+    from .tensorrt import batch_bounds, write_profile  # noqa: PLC0415
+
+    max_batch = args.max_batch if args.max_batch is not None else batch_bounds(args.peak_concurrency)[2]
+    if max_batch < 1:
+        raise InvalidArgumentError(f"--max-batch must be a positive integer, got {max_batch}")
+    if args.max_len < 2:
+        raise InvalidArgumentError(f"--max-len must be at least 2, got {args.max_len}")
+    out = Path(args.out)
+    if out.is_file():
+        raise InvalidArgumentError(f"--out {out} is a file; give a directory")
+    if args.laser is not None and not Path(args.laser).is_file():
+        raise InvalidArgumentError(f"laser file not found: {args.laser}")
+    apply_threads(args)
+    from ..api import load  # noqa: PLC0415
+
+    lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None)
+    max_len = min(args.max_len, lm.engine.max_seq_len)
+    man = export_onnx(lm.engine, out, groups=args.groups, laser=args.laser, max_batch=max_batch, max_len=max_len,
+                      progress=not args.no_progress, tokenizer=lm.tokenizer)
+    size = sum(g["bytes"] for g in man["graphs"].values())
+    print(f"exported {len(man['graphs'])} graphs ({size / 2**20:.0f} MiB, opset {man['opset']}) to {out} in "
+          f"{man['export_seconds']:.1f} s; groups {man['groups_spec']}, exit points "
+          f"{[e['layer'] for e in man['exits']]}, max batch {max_batch}, max len {max_len}")
+    if not args.no_tensorrt:
+        prof = write_profile(out, args.peak_concurrency)
+        print(f"TensorRT build profile written to {out / 'tensorrt_profile.json'} and trtexec commands to "
+              f"{out / 'trtexec.sh'} (batch min/opt/max {prof['batch']}); NOT built: no GPU or TensorRT here")
+    return 0
+
+
+def run_generate(args, prompt: str, sampling: dict) -> int:
+    """``laserlm generate --backend onnxruntime``: ``args.model`` is an export directory; ``args.mode`` ``full`` or
+    ``adaptive[...]`` (``--laser`` must name the exported laser file).
+
+    Raises:
+        InvalidArgumentError: options that the ONNX graphs do not have (weights, dtype, sparse attention, context).
+        ModelNotFoundError / CorruptModelError: no valid export at ``--model``.
+    """
+    if getattr(args, "weights", "auto") != "auto" or getattr(args, "dtype", None) is not None:
+        raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --weights/--dtype")
+    if getattr(args, "attention", "dense") != "dense":
+        raise InvalidArgumentError("--backend onnxruntime has dense attention only: drop --attention")
+    if getattr(args, "ctx_size", None) is not None:
+        raise InvalidArgumentError("--backend onnxruntime uses the export's --max-len as context: drop --ctx-size")
+    from ..runtime.generate import Generation, encode_prompt  # noqa: PLC0415
+    from ..runtime.sampling import SamplingParams  # noqa: PLC0415
+    from .runtime import OnnxModel, make_onnx_mode  # noqa: PLC0415
+
+    model = OnnxModel(args.model, threads=args.threads)
+    decoder = make_onnx_mode(model, args.mode)
+    model.warm()
+    tok = load_tokenizer(model)
+    ids = encode_prompt(tok, prompt, args.chat, model.max_len)
+    params = SamplingParams(**sampling).validate()
+    eos = set(model.manifest["model"].get("eos_token_ids", []))
+    gen = Generation(tok, ids, decoder.token_source(), params, eos, model.max_len)
+    if args.json:
+        r = gen.run()
+        print(json.dumps({"model": args.model, "backend": "onnxruntime", "mode": args.mode, "text": r.text,
+                          **r.stats()}))
+        return 0
+    for piece in gen:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    r = gen.result
+    print(f"[onnxruntime: {r.prompt_tokens} prompt tokens, {r.generated_tokens} generated, TTFT "
+          f"{r.ttft_s * 1000:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s, {r.mean_layers_per_token:.1f} layers/token, "
+          f"finish: {r.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def load_tokenizer(model):
+    """The tokenizer saved in an export directory (``tokenizer/``).
+
+    Raises:
+        CorruptModelError: the export has none or it cannot be read.
+    """
+    from ..errors import CorruptModelError  # noqa: PLC0415
+
+    sub = model.manifest.get("tokenizer")
+    if not sub or not (model.path / sub).is_dir():
+        raise CorruptModelError(f"{model.path} has no tokenizer/ directory; export again with `laserlm export onnx`")
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model.path / sub))
+    except (OSError, ValueError) as exc:
+        raise CorruptModelError(f"{model.path / sub}: cannot load the tokenizer: {exc}") from None
