@@ -127,7 +127,9 @@ def _error(status: int, body, expect_status: int, code=None, param=None):
     ({"max_tokens": "ten"}, "max_tokens"), ({"n": 2}, "n"), ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": 2}, "logprobs"),
     ({"stream": "yes"}, "stream"), ({"model": None}, "model"), ({"prompt": [10**9]}, None),
-    ({"seed": 2**64}, None), ({"max_tokens": 4.5}, "max_tokens"), ({"prompt": ["a", 1]}, "prompt"),
+    ({"seed": 2**64}, "seed"), ({"max_tokens": 4.5}, "max_tokens"), ({"prompt": ["a", 1]}, "prompt"),
+    ({"temperature": 10**400}, "temperature"), ({"top_p": -10**400}, "top_p"), ({"prompt": [10**20]}, "prompt"),
+    ({"prompt": [49152]}, "prompt"), ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"top_p": None, "temperature": "hot"},
                                                                       "temperature"),
 ])
@@ -140,6 +142,9 @@ def test_documented_error_statuses(server):
     url = server.url
     _error(*http("POST", url + "/v1/completions", raw=b"{not json", headers=AUTH), 400)
     _error(*http("POST", url + "/v1/completions", raw=b"[1, 2]", headers=AUTH), 400)
+    _error(*http("POST", url + "/v1/completions", raw=b"[" * 100000 + b"]" * 100000, headers=AUTH), 400)
+    _error(*http("POST", url + "/v1/completions", raw=b'{"model": "smollm2-135m", "prompt": "\\ud800 abc"}',
+                 headers=AUTH), 400, param="prompt")
     for messages in ([], [{"role": "user"}], [{"role": "robot", "content": "hi"}], "hi",
                      [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]):
         _error(*http("POST", url + "/v1/chat/completions", {"model": MODEL, "messages": messages}, AUTH), 400,
@@ -273,6 +278,14 @@ def test_queue_full_is_429_and_too_big_is_400(small_server):
     url = small_server.url
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 600}
     _error(*http("POST", url + "/v1/completions", body), 400, "kv_budget_exceeded")
+    # more prompts than run + wait at once: never servable, so 400 (not 429, which clients retry)
+    _error(*http("POST", url + "/v1/completions", {**body, "prompt": ["a", "b", "c"], "max_tokens": 2}), 400,
+           param="prompt")
+    # a chat request without max_tokens gets what the pool can hold (512 tokens here), not a refusal
+    status, out = http("POST", url + "/v1/chat/completions", {"model": MODEL, "temperature": 0,
+                                                              "messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"] <= 512
     results = {}
 
     def run(i, n):

@@ -252,9 +252,10 @@ class Scheduler:
         self._admit()  # what can run now leaves the queue first
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(
-                f"KV pool full: {len(self.running)} running requests hold {self.pool.reserved} of "
-                f"{self.pool.num_pages} pages (budget {self.pool.describe()}) and the waiting queue holds its "
-                f"maximum of {self.config.max_queue} requests; retry later or raise --kv-budget")
+                f"waiting queue full: it holds its maximum of {self.config.max_queue} requests (--max-queue) while "
+                f"{len(self.running)} running requests (--max-batch {self.config.max_batch}) hold {self.pool.reserved} "
+                f"of {self.pool.num_pages} pages (KV budget {self.pool.describe()}); retry later, or raise "
+                "--max-queue, --max-batch or --kv-budget")
         if request_id is not None and request_id in self.sequences:
             raise InvalidArgumentError(f"request id {request_id!r} is already in use")
         gen = None if params.greedy else make_generator(params.seed)

@@ -220,12 +220,18 @@ class Server:
                 elif isinstance(p, str):
                     ids = encode_prompt(self.tokenizer, p, False, self.max_seq_len)
                 else:
+                    vocab = int(getattr(self.state.lm.engine.config, "vocab_size", 0) or 0)
+                    if vocab and max(p) >= vocab:
+                        raise bad(f"token ids in 'prompt' must lie in [0, {vocab}) for this model's vocabulary, got "
+                                  f"{max(p)}", "prompt")
                     ids = torch.tensor(p, dtype=torch.long)
                     if ids.numel() >= self.max_seq_len:
                         raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is "
                                                  f"{self.max_seq_len}")
             except LaserLMError as exc:
                 raise _map_error(exc) from None
+            except (TypeError, ValueError) as exc:  # text the tokenizer refuses
+                raise bad(f"cannot tokenize the prompt: {exc}", "prompt") from None
             room = self.max_seq_len - ids.numel()
             if req.max_tokens_given and req.params.max_new_tokens > room:
                 raise bad(f"prompt ({ids.numel()} tokens) plus max_tokens ({req.params.max_new_tokens}) exceeds the "
@@ -234,13 +240,20 @@ class Server:
             out.append(ids)
         return out
 
-    def prepare(self, req: ParsedRequest):
+    async def prepare(self, req: ParsedRequest):
         self.check_model(req.model)
         mode = self.pick_mode(req.mode)
-        ids = self.encode(req)
+        cfg = self.state.engine.scheduler.config
+        if len(req.prompts) > cfg.max_batch + cfg.max_queue:
+            raise bad(f"{len(req.prompts)} prompts in one request, but this server runs at most {cfg.max_batch} and "
+                      f"queues {cfg.max_queue} (--max-batch, --max-queue); split the request", "prompt")
+        ids = await asyncio.to_thread(self.encode, req)  # a long prompt must not stall the other streams
         params = req.params
         if not req.max_tokens_given and req.kind == "chat":
             room = min(self.max_seq_len - i.numel() for i in ids)
+            pool = self.state.engine.scheduler.pool
+            if self.state.engine.scheduler.eviction is None:  # what the KV pool can ever hold for one request
+                room = min(room, pool.num_pages // pool.num_layers * pool.page_size - max(i.numel() for i in ids))
             params = dataclasses.replace(params, max_new_tokens=max(1, min(self.state.settings.default_max_tokens,
                                                                             room)))
         try:
@@ -328,7 +341,7 @@ class Server:
         t = self.timings([c])
         self.state.metrics.observe_request(
             c.prompt_n, len(c.det.ids), self.finish_reason(c), c.det.ttft if c.det.layers else None, c.det.itl,
-            time.perf_counter() - c.t_submit, c.det.layers, t["draft_n"], t["draft_n_accepted"])
+            time.perf_counter() - c.t_submit, c.det.layers[:len(c.det.ids)], t["draft_n"], t["draft_n_accepted"])
 
     @staticmethod
     def timings(choices: list[Choice]) -> dict:
@@ -370,7 +383,7 @@ class Server:
         self.check_auth(request)
         body = parse_json(await request.body())
         req = parse_completion(body) if kind == "completion" else parse_chat(body)
-        mode, ids, params = self.prepare(req)
+        mode, ids, params = await self.prepare(req)
         choices, out = await self.submit(mode, ids, params)
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
@@ -469,6 +482,7 @@ def build_app(settings: ServerSettings | None = None, lm=None, state: ServerStat
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        state.metrics.errors.labels(code=str(exc.status_code)).inc()
         return _error_response(APIError(exc.status_code, str(exc.detail), kind, None, str(exc.status_code)))
 
     @app.exception_handler(RequestValidationError)

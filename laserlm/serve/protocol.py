@@ -81,6 +81,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -101,9 +103,24 @@ def _num(body: dict, name: str, default: float) -> float:
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or math.isinf(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(f"'{name}' must be a finite number, got {v!r}", name)
-    return float(v)
+    try:
+        v = float(v)
+    except OverflowError:  # an integer too large for a float
+        raise bad(f"'{name}' must be a finite number, got an integer of {len(str(v))} digits", name) from None
+    if math.isnan(v) or math.isinf(v):
+        raise bad(f"'{name}' must be a finite number, got {v!r}", name)
+    return v
+
+
+def _text(s: str, param: str) -> str:
+    """``s`` if it encodes as UTF-8 (JSON allows lone surrogates such as ``"\\ud800"``, which no tokenizer takes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad(f"'{param}' contains a lone UTF-16 surrogate (invalid Unicode text)", param) from None
+    return s
 
 
 def _unsupported(body: dict) -> None:
@@ -140,6 +157,8 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     if top_k < -1:
         raise bad(f"'top_k' must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
     seed = _int(body, "seed", lo=0)
+    if seed is not None and seed >= 2**64:
+        raise bad(f"'seed' must be below 2**64, got {seed}", "seed")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -147,6 +166,7 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         stop = [stop]
     if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
         raise bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    stop = [_text(s, "stop") for s in stop]
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("'ignore_eos' must be true or false", "ignore_eos")
@@ -165,7 +185,9 @@ def _common(body: dict) -> dict:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
-    include_usage = bool((opts or {}).get("include_usage", False))
+    include_usage = (opts or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("'stream_options.include_usage' must be true or false", "stream_options")
     if opts and not stream:
         raise bad("'stream_options' needs 'stream': true", "stream_options")
     mode = body.get("mode")
@@ -197,6 +219,11 @@ def parse_completion(body: dict) -> ParsedRequest:
         raise bad("'prompt' must be a string, a list of strings, or token ids", "prompt")
     if any(isinstance(p, str) and not p.strip() for p in prompts):
         raise bad("'prompt' is empty: give some text to continue", "prompt")
+    for p in prompts:
+        if isinstance(p, str):
+            _text(p, "prompt")
+        elif any(not 0 <= t < 2**63 for t in p):
+            raise bad("token ids in 'prompt' must be non-negative integers of the model's vocabulary", "prompt")
     given = body.get("max_tokens") is not None
     max_tokens = _int(body, "max_tokens", lo=1, default=COMPLETION_DEFAULT_MAX_TOKENS)
     return ParsedRequest("completion", common["model"], prompts, _sampling(body, max_tokens), given,
@@ -234,7 +261,7 @@ def parse_chat(body: dict) -> ParsedRequest:
         if m["role"] not in ("system", "user", "assistant", "developer"):
             raise bad(f"messages[{i}].role {m['role']!r} is not supported (system, user, assistant)", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        clean.append({"role": role, "content": _message_text(m.get("content"), i)})
+        clean.append({"role": role, "content": _text(_message_text(m.get("content"), i), "messages")})
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(name) is not None
     max_tokens = _int(body, name, lo=1, default=1)
