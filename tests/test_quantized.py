@@ -182,6 +182,27 @@ def test_compiled_layer_equals_the_pytorch_ops(smol_native):
     assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
+def test_layer_stack_equals_one_call_per_layer(smol_native):
+    """A run of layers in one ``LayerStack.run`` call computes exactly what one ``decode_layer`` call per layer
+    computes (same kernels, same order), for a prompt, a 1-token step and a 3-token step."""
+    eng = smol_native.engine
+    ids = torch.tensor([[1, 415, 3575, 282, 4649, 314]])
+    steps = [torch.tensor([[28]]), torch.tensor([[253, 30, 1013]])]
+    assert eng._native_stack() is not None
+    a = _logits(eng, ids, steps)
+    saved, eng._stack = eng._stack, False  # no stack: the per-layer kernel path
+    try:
+        b = _logits(eng, ids, steps)
+    finally:
+        eng._stack = saved
+    assert torch.equal(a, b)
+    ops = kernels.ops()
+    with pytest.raises(RuntimeError, match="not registered"):
+        eng._stack.stack.run(torch.zeros(1, 1, 576), [10_000], [torch.zeros(1, 64)], [torch.zeros(1, 64)],
+                             [torch.zeros(1, 3, 8, 64)], [torch.zeros(1, 3, 8, 64)], 0)
+    assert isinstance(ops.LayerStack(), ops.LayerStack)
+
+
 def _windows(smol, n_windows=6, length=256):
     from laserlm.evaluation.data import read_wikitext, task_paths
 

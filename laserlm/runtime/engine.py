@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ContextLengthError, InvalidArgumentError
+from ..models import kernels
 from ..models.adapters import ModelAdapter, get_adapter
 from ..models.loader import LoadedModel, load_model
 from . import attention as attn
@@ -126,6 +127,7 @@ class Engine:
         # packed layers run as one compiled call per layer for a few tokens when no attention hook is needed;
         # False: always the PyTorch ops of packed_layers (same matrices, for tests and debugging)
         self.native_layers = True
+        self._stack = None  # NativeStack of the packed layers, built on first use
         self._packed = {i for i, layer in enumerate(a.layers) if getattr(layer, "laserlm_packed", None) is not None}
         self.weights = getattr(self.loaded, "weights", None) or ("bf16" if self.dtype == torch.bfloat16 else "fp32")
         # float16 overflows in these models: every layer is guarded (float32 fallback per layer, norms in float32)
@@ -241,8 +243,17 @@ class Engine:
         """Run decoder layers ``start .. stop-1``; ``hidden [B, T, d]`` in and out."""
         layers, types, cache = self.adapter.layers, self.adapter.layer_types, state.window
         fast = self._fast_ok if self.fast_layers and not fast_layers.hooks_active() else None
+        stack = self._native_stack() if fast is not None and self.native_layers and self._packed else None
         with attn.attention_context(state.ctx):
-            for i in range(start, stop):
+            i = start
+            while i < stop:
+                if stack is not None:
+                    out, j = packed_layers.native_stack_run(stack, layers, i, stop, hidden, state.rope, types, cache,
+                                                            lambda k: k in self._packed and not (
+                                                                layers[k]._forward_hooks or layers[k]._forward_pre_hooks))
+                    if out is not None:
+                        hidden, i = out, j
+                        continue
                 layer = layers[i]
                 if fast is not None and not (layer._forward_hooks or layer._forward_pre_hooks) and (
                         id(layer) in fast or i in self._packed):
@@ -254,7 +265,15 @@ class Engine:
                 else:
                     hidden = layer(hidden, attention_mask=None, position_ids=state.position_ids, cache=cache,
                                    position_embeddings=state.rope[types[i]])
+                i += 1
         return hidden
+
+    def _native_stack(self):
+        """The engine's :class:`~laserlm.runtime.packed_layers.NativeStack` (``None`` without compiled kernels)."""
+        if self._stack is None:
+            ops = kernels.ops()
+            self._stack = packed_layers.NativeStack(ops) if ops is not None and hasattr(ops, "LayerStack") else False
+        return self._stack or None
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: ``[B, T, d] -> [B, T, vocab]`` float32 logits."""

@@ -170,6 +170,58 @@ def _native_layer(layer, hidden, cos, sin, cache):
                             cache.start, h, hkv, hd, scaling, window, act, inter)
 
 
+class NativeStack:
+    """An engine's native layers registered once in the kernel's ``LayerStack``, so that a run of consecutive
+    layers is one compiled call (a 30-layer decode step crosses from Python into the kernel once, not 30 times).
+
+    Built lazily per layer; holds references to the packed matrices, no copies."""
+
+    def __init__(self, ops):
+        self.ops = ops
+        self.stack = ops.LayerStack()
+        self.ids: dict[int, int | None] = {}
+
+    def id_of(self, layer) -> int | None:
+        """The stack id of ``layer`` (registered on first use), or ``None`` when the kernel cannot take it."""
+        idx = layer.self_attn.layer_idx
+        sid = self.ids.get(idx, -1)
+        if sid == -1:
+            args = _native_args(layer)
+            sid = None if args is None else self.stack.add(*args)
+            self.ids[idx] = sid
+        return sid
+
+
+def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: torch.Tensor, rope: dict,
+                     types, cache, eligible) -> tuple[torch.Tensor | None, int]:
+    """Run layers ``start .. j-1`` in one kernel call, for the longest ``j <= stop`` such that every layer in between
+    is ``eligible(i)`` (packed, no hooks) and the kernel can take it on a contiguous cache with no attention hook
+    active (no block-sparse kernel, no attention probabilities or key masks wanted). Returns ``(hidden, j)``;
+    ``(None, start)`` when not even layer ``start`` qualifies. ``hidden [B, T, d]`` float32."""
+    if not isinstance(cache, CacheWindow) or hidden.dtype != torch.float32 or hidden.shape[1] > KERNEL_MAX_ROWS:
+        return None, start
+    ctx = attn.current_context()
+    if ctx is None or ctx.kernel is not None or ctx.want_probs or ctx.key_valid:
+        return None, start
+    ids, cos, sin, ks, vs = [], [], [], [], []
+    j = start
+    while j < stop and eligible(j):
+        sid = stack.id_of(layers[j])
+        k = cache.k[j]
+        if sid is None or k.dtype != torch.float32:
+            break
+        c, s_ = rope[types[j]]
+        ids.append(sid)
+        cos.append(c[0])
+        sin.append(s_[0])
+        ks.append(k)
+        vs.append(cache.v[j])
+        j += 1
+    if not ids:
+        return None, start
+    return stack.stack.run(hidden, ids, cos, sin, ks, vs, cache.start), j
+
+
 def packed_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
                  native: bool = True) -> torch.Tensor:
     """``layer(hidden, cache=cache, position_embeddings=(cos, sin))`` on ``layer.laserlm_packed``.

@@ -61,7 +61,7 @@ def _build():
     return cpp_extension.load_inline(
         name="laserlm_quant",
         cpp_sources=[_SOURCE.read_text()],
-        functions=["qmatmul", "dequantize", "decode_layer", "has_avx2"],
+        functions=None,  # quant.cpp has its own PYBIND11_MODULE (functions and the LayerStack class)
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),

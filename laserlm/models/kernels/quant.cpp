@@ -23,6 +23,12 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LASERLM_AVX2 1
+#else
+#define LASERLM_AVX2 0
+#endif
+
 namespace {
 
 constexpr int QK = 32;
@@ -48,13 +54,26 @@ inline float fp16_to_fp32(uint16_t h) {
 constexpr int64_t PF_ROWS = 4;
 inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
 
-// ---- activation quantization: x [T, K] -> int16 [T, K], d [T, nbs], s = sum(x) [T, nbs] (nbs = round8(nb),
+// ---- activation quantization: x [T, K] -> int16 [T, qstride], d [T, nbs], s = sum(x) [T, nbs] (nbs = round8(nb),
 // padding lanes zero). int16 per 32-block (d = max|x_b| / 32767): the rounding error is 1/256 of llama.cpp's
 // int8 activations, which matters on small models whose hidden states have large outlier channels.
-void quantize_rows_q16(const float* x, int64_t T, int64_t K, int16_t* q, float* d, float* s) {
+// Two layouts of a row of int16 values (qstride = nbp * 32, nbp = nb rounded up to even, the padding block zero):
+//   natural (Q8_0 weights): value j of block b at b * 32 + j;
+//   paired  (Q4_1 weights): blocks 2P and 2P + 1 share 64 values, value j of block b at
+//           P * 64 + v * 16 + (b % 2) * 8 + (j % 16) / 2 with v = 2 (j % 2) + (j >= 16): the order in which
+//           dot_rows_q4_1 extracts the nibbles of the two blocks from one 32-byte load (no widening shuffles).
+inline int64_t nb_even(int64_t nb) { return (nb + 1) / 2 * 2; }
+inline int64_t q16_index(int64_t b, int j, bool paired) {
+  if (!paired) return b * QK + j;
+  return (b >> 1) * 64 + (2 * (j & 1) + (j >= 16)) * 16 + (b & 1) * 8 + ((j & 15) >> 1);
+}
+
+void quantize_rows_q16(const float* x, int64_t T, int64_t K, bool paired, int16_t* q, int64_t qstride, float* d,
+                       float* s) {
   const int64_t nb = K / QK, nbs = round8(nb);
   std::fill(d, d + T * nbs, 0.f);
   std::fill(s, s + T * nbs, 0.f);
+  std::fill(q, q + T * qstride, static_cast<int16_t>(0));
   at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
       const int64_t t = i / nb, b = i % nb;
@@ -66,14 +85,19 @@ void quantize_rows_q16(const float* x, int64_t T, int64_t K, int16_t* q, float* 
       }
       const float dd = amax / 32767.f;
       const float id = dd != 0.f ? 1.f / dd : 0.f;
-      for (int j = 0; j < QK; ++j) q[i * QK + j] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
+      int16_t* qt = q + t * qstride;
+      if (paired) {
+        for (int j = 0; j < QK; ++j) qt[q16_index(b, j, true)] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
+      } else {
+        for (int j = 0; j < QK; ++j) qt[b * QK + j] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
+      }
       d[t * nbs + b] = dd;
       s[t * nbs + b] = sum;
     }
   });
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if LASERLM_AVX2
 inline float hsum(__m256 v) {
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   r = _mm_add_ps(r, _mm_movehl_ps(r, r));
@@ -81,92 +105,153 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(r);
 }
 
-// weights of block b widened to int16: w0 = weights 0..15, w1 = 16..31
-template <int FMT>
-inline void load_block(const uint8_t* qs, int64_t b, __m256i& w0, __m256i& w1) {
-  if (FMT == Q8_0) {
-    const uint8_t* p = qs + b * 32;
-    w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-  } else {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + b * 16));
-    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low4));
-    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low4));
-  }
+inline __m256 keep_mask(int cnt) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
 
-// dot products of one weight row with TN int16 activation rows (TN compile-time 1..4: accumulators stay in
-// registers); each weight block is loaded and widened once for all TN rows. Scales of eight blocks are
-// converted (fp16 -> fp32) and multiplied by the activation scales in one vector op each; the block's
-// lane is then broadcast with a permute. int16 x int16 -> int32 products (_mm256_madd_epi16) cannot
-// overflow: |q_w| <= 127, |q_x| <= 32767, four products per lane.
-template <int FMT, int TN>
-inline void dot_rows(const uint8_t* row, const int16_t* xq, const float* xd, const float* xs, int64_t nb, int64_t K,
-                     float* out, int64_t ostride) {
+// Dot products of one weight row with TN int16 activation rows, eight blocks per step. The integer dot product
+// of each block stays in int32 lanes until the eight blocks' sums are gathered into one vector by horizontal adds;
+// then one convert and one fused multiply-add per eight blocks apply the scales d_w * d_x. (A multiply-add per
+// block chained the accumulator through the FMA latency: ~6 cycles per block.) Products are int16 x int16 ->
+// int32 (_mm256_madd_epi16) and cannot overflow: |q_w| <= 127, |q_x| <= 32767, at most 32 products per lane sum.
+//
+// Q4_1: one 32-byte load holds the nibbles of two blocks (one per 128-bit lane); masks and 16-bit shifts give
+// four vectors of 16 weights each, already int16, in the "paired" activation order.
+template <int TN>
+inline void dot_rows_q4_1(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
+                          int64_t nb, float* out, int64_t ostride) {
   const int64_t nbs = round8(nb);
-  const uint8_t* qs = row;
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * quant_bytes(FMT));
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * 16);
   const uint16_t* mh = dh + nb;
-  __m256 acc[TN], macc[TN];  // one chain per row: two (even / odd blocks) measured no faster
+  const __m256i m4 = _mm256_set1_epi16(0x000F);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // hadd order [0 2 4 6 1 3 5 7] -> natural
+  __m256 acc[TN], macc[TN];
 #pragma GCC unroll 4
   for (int i = 0; i < TN; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int cnt = static_cast<int>(std::min<int64_t>(8, nb - b0));
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt),
-                                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    const __m256 keep = keep_mask(cnt);
     const __m256 dv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b0))), keep);
-    __m256 sv[TN];
+    const __m256 mv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + b0))), keep);
 #pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) sv[i] = _mm256_mul_ps(dv, _mm256_loadu_ps(xd + i * nbs + b0));
-    if (FMT == Q4_1) {
-      const __m256 mv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + b0))), keep);
+    for (int i = 0; i < TN; ++i) macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nbs + b0), macc[i]);
+    const int npairs = (cnt + 1) / 2;
+    auto pair = [&](const int q, __m256i* p) __attribute__((always_inline)) {
+      if (q >= npairs) {
 #pragma GCC unroll 4
-      for (int i = 0; i < TN; ++i) macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nbs + b0), macc[i]);
-    }
-    auto step = [&](const int j) __attribute__((always_inline)) {
-      __m256i w0, w1;
-      load_block<FMT>(qs, b0 + j, w0, w1);
-      const __m256i lane = _mm256_set1_epi32(j);
+        for (int i = 0; i < TN; ++i) p[i] = _mm256_setzero_si256();
+        return;
+      }
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b0 + 2 * q) * 16));
+      const __m256i wa = _mm256_and_si256(raw, m4);
+      const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+      const __m256i wc = _mm256_and_si256(_mm256_srli_epi16(raw, 8), m4);
+      const __m256i wd = _mm256_srli_epi16(raw, 12);
 #pragma GCC unroll 4
       for (int i = 0; i < TN; ++i) {
-        const int16_t* xb = xq + i * K + (b0 + j) * QK;
-        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb));
-        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xb + 16));
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
-        acc[i] = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(sv[i], lane), _mm256_cvtepi32_ps(p), acc[i]);
+        const __m256i* xp = reinterpret_cast<const __m256i*>(xq + i * xstride + (b0 / 2 + q) * 64);
+        const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256(xp)),
+                                            _mm256_madd_epi16(wb, _mm256_loadu_si256(xp + 1)));
+        const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(wc, _mm256_loadu_si256(xp + 2)),
+                                            _mm256_madd_epi16(wd, _mm256_loadu_si256(xp + 3)));
+        p[i] = _mm256_add_epi32(s0, s1);  // lanes 0-3: block b0 + 2q, lanes 4-7: block b0 + 2q + 1
       }
     };
-    if (cnt == 8) {
-      step(0); step(1); step(2); step(3); step(4); step(5); step(6); step(7);
-    } else {
-      for (int j = 0; j < cnt; ++j) step(j);
+    __m256i p0[TN], p1[TN], ha[TN];
+    pair(0, p0);
+    pair(1, p1);
+#pragma GCC unroll 4
+    for (int i = 0; i < TN; ++i) ha[i] = _mm256_hadd_epi32(p0[i], p1[i]);
+    pair(2, p0);
+    pair(3, p1);
+#pragma GCC unroll 4
+    for (int i = 0; i < TN; ++i) {
+      const __m256i h = _mm256_hadd_epi32(ha[i], _mm256_hadd_epi32(p0[i], p1[i]));
+      const __m256 sums = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(h, order));
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_loadu_ps(xd + i * nbs + b0)), sums, acc[i]);
     }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < TN; ++i) out[i * ostride] = hsum(_mm256_add_ps(acc[i], macc[i]));
 }
-#else
-template <int FMT, int TN>
-inline void dot_rows(const uint8_t* row, const int16_t* xq, const float* xd, const float* xs, int64_t nb, int64_t K,
-                     float* out, int64_t ostride) {
+
+// Q8_0: each block's 32 int8 weights are widened to int16 (two 16-byte loads), natural activation order.
+template <int TN>
+inline void dot_rows_q8_0(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float*,
+                          int64_t nb, float* out, int64_t ostride) {
   const int64_t nbs = round8(nb);
-  const uint8_t* qs = row;
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * quant_bytes(FMT));
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * 32);
+  __m256 acc[TN];
+#pragma GCC unroll 4
+  for (int i = 0; i < TN; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int cnt = static_cast<int>(std::min<int64_t>(8, nb - b0));
+    const __m256 dv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b0))),
+                                    keep_mask(cnt));
+    auto blk = [&](const int j, __m256i* p) __attribute__((always_inline)) {
+      if (j >= cnt) {
+#pragma GCC unroll 4
+        for (int i = 0; i < TN; ++i) p[i] = _mm256_setzero_si256();
+        return;
+      }
+      const uint8_t* wp = row + (b0 + j) * 32;
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
+#pragma GCC unroll 4
+      for (int i = 0; i < TN; ++i) {
+        const __m256i* xp = reinterpret_cast<const __m256i*>(xq + i * xstride + (b0 + j) * QK);
+        p[i] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xp)),
+                                _mm256_madd_epi16(w1, _mm256_loadu_si256(xp + 1)));
+      }
+    };
+    __m256i pa[TN], pb[TN], t[TN], hl[TN];
+    // hadd tree: after two levels lane j of the low / high 128 bits holds the low / high half-sum of block j
+    blk(0, pa);
+    blk(1, pb);
+#pragma GCC unroll 4
+    for (int i = 0; i < TN; ++i) t[i] = _mm256_hadd_epi32(pa[i], pb[i]);
+    blk(2, pa);
+    blk(3, pb);
+#pragma GCC unroll 4
+    for (int i = 0; i < TN; ++i) hl[i] = _mm256_hadd_epi32(t[i], _mm256_hadd_epi32(pa[i], pb[i]));  // blocks 0-3
+    blk(4, pa);
+    blk(5, pb);
+#pragma GCC unroll 4
+    for (int i = 0; i < TN; ++i) t[i] = _mm256_hadd_epi32(pa[i], pb[i]);
+    blk(6, pa);
+    blk(7, pb);
+#pragma GCC unroll 4
+    for (int i = 0; i < TN; ++i) {
+      const __m256i hh = _mm256_hadd_epi32(t[i], _mm256_hadd_epi32(pa[i], pb[i]));  // blocks 4-7
+      const __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(hl[i], hh, 0x20),
+                                         _mm256_permute2x128_si256(hl[i], hh, 0x31));
+      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_loadu_ps(xd + i * nbs + b0)), _mm256_cvtepi32_ps(s), acc[i]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < TN; ++i) out[i * ostride] = hsum(acc[i]);
+}
+#else
+template <int TN>
+inline void dot_rows_scalar(int64_t fmt, const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd,
+                            const float* xs, int64_t nb, float* out, int64_t ostride) {
+  const int64_t nbs = round8(nb);
+  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * quant_bytes(fmt));
   const uint16_t* mh = dh + nb;
+  const bool paired = fmt == Q4_1;
   for (int t = 0; t < TN; ++t) {
+    const int16_t* qx = xq + t * xstride;
     float total = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
-      const int16_t* qx = xq + t * K + b * QK;
       int64_t isum = 0;
-      if (FMT == Q8_0) {
-        const int8_t* qw = reinterpret_cast<const int8_t*>(qs + b * 32);
-        for (int j = 0; j < QK; ++j) isum += qw[j] * qx[j];
+      if (fmt == Q8_0) {
+        const int8_t* qw = reinterpret_cast<const int8_t*>(row + b * 32);
+        for (int j = 0; j < QK; ++j) isum += qw[j] * qx[q16_index(b, j, false)];
       } else {
-        const uint8_t* q = qs + b * 16;
+        const uint8_t* q = row + b * 16;
         for (int j = 0; j < 16; ++j) {
-          isum += (q[j] & 0x0F) * qx[j];
-          isum += (q[j] >> 4) * qx[j + 16];
+          isum += (q[j] & 0x0F) * qx[q16_index(b, j, paired)];
+          isum += (q[j] >> 4) * qx[q16_index(b, j + 16, paired)];
         }
         total += fp16_to_fp32(mh[b]) * xs[t * nbs + b];
       }
@@ -175,30 +260,53 @@ inline void dot_rows(const uint8_t* row, const int16_t* xq, const float* xd, con
     out[t * ostride] = total;
   }
 }
+template <int TN>
+inline void dot_rows_q4_1(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
+                          int64_t nb, float* out, int64_t ostride) {
+  dot_rows_scalar<TN>(Q4_1, row, xq, xstride, xd, xs, nb, out, ostride);
+}
+template <int TN>
+inline void dot_rows_q8_0(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
+                          int64_t nb, float* out, int64_t ostride) {
+  dot_rows_scalar<TN>(Q8_0, row, xq, xstride, xd, xs, nb, out, ostride);
+}
 #endif
 
+#ifndef LASERLM_ROW_GROUP
+#define LASERLM_ROW_GROUP 4
+#endif
+constexpr int ROW_GROUP = LASERLM_ROW_GROUP;  // activation rows per pass over a weight row
+
+template <int FMT, int TN>
+inline void dot_rows(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
+                     int64_t nb, float* out, int64_t ostride) {
+  if (FMT == Q4_1) dot_rows_q4_1<TN>(row, xq, xstride, xd, xs, nb, out, ostride);
+  else dot_rows_q8_0<TN>(row, xq, xstride, xd, xs, nb, out, ostride);
+}
+
 template <int FMT>
-inline void dot_rows_any(const uint8_t* row, const int16_t* xq, const float* xd, const float* xs, int64_t nb,
-                         int64_t T, int64_t K, float* out, int64_t ostride) {
+inline void dot_rows_any(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
+                         int64_t nb, int64_t T, float* out, int64_t ostride) {
   const int64_t nbs = round8(nb);
   int64_t t = 0;
-  for (; t + 4 <= T; t += 4)
-    dot_rows<FMT, 4>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride);
-  switch (T - t) {
-    case 3: dot_rows<FMT, 3>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride); break;
-    case 2: dot_rows<FMT, 2>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride); break;
-    case 1: dot_rows<FMT, 1>(row, xq + t * K, xd + t * nbs, xs + t * nbs, nb, K, out + t * ostride, ostride); break;
-    default: break;
-  }
+  for (; t + ROW_GROUP <= T; t += ROW_GROUP)
+    dot_rows<FMT, ROW_GROUP>(row, xq + t * xstride, xstride, xd + t * nbs, xs + t * nbs, nb, out + t * ostride, ostride);
+  const int64_t rest = T - t;
+  const int16_t* q = xq + t * xstride;
+  const float *d = xd + t * nbs, *s = xs + t * nbs;
+  float* o = out + t * ostride;
+  if (rest == 3) dot_rows<FMT, 3>(row, q, xstride, d, s, nb, o, ostride);
+  else if (rest == 2) dot_rows<FMT, 2>(row, q, xstride, d, s, nb, o, ostride);
+  else if (rest == 1) dot_rows<FMT, 1>(row, q, xstride, d, s, nb, o, ostride);
 }
 
 // y [T, N] (row stride ldy) = x [T, K] @ W.T, W = N rows of blocks
 void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t fmt, float* y,
                    int64_t ldy) {
-  const int64_t nb = K / QK, rb = nb * block_bytes(fmt), nbs = round8(nb);
-  std::vector<int16_t> xq(T * K);
+  const int64_t nb = K / QK, rb = nb * block_bytes(fmt), nbs = round8(nb), qstride = nb_even(nb) * QK;
+  std::vector<int16_t> xq(T * qstride);
   std::vector<float> xd(T * nbs), xs(T * nbs);
-  quantize_rows_q16(x, T, K, xq.data(), xd.data(), xs.data());
+  quantize_rows_q16(x, T, K, fmt == Q4_1, xq.data(), qstride, xd.data(), xs.data());
   const int64_t grain = std::max<int64_t>(16, 2048 / std::max<int64_t>(nb, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
@@ -207,8 +315,8 @@ void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
         const uint8_t* next = row + PF_ROWS * rb;
         for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
       }
-      if (fmt == Q4_1) dot_rows_any<Q4_1>(row, xq.data(), xd.data(), xs.data(), nb, T, K, y + n, ldy);
-      else dot_rows_any<Q8_0>(row, xq.data(), xd.data(), xs.data(), nb, T, K, y + n, ldy);
+      if (fmt == Q4_1) dot_rows_any<Q4_1>(row, xq.data(), qstride, xd.data(), xs.data(), nb, T, y + n, ldy);
+      else dot_rows_any<Q8_0>(row, xq.data(), qstride, xd.data(), xs.data(), nb, T, y + n, ldy);
     }
   });
 }
@@ -272,7 +380,7 @@ torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor 
 }
 
 bool has_avx2() {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if LASERLM_AVX2
   return true;
 #else
   return false;
@@ -282,56 +390,210 @@ bool has_avx2() {
 // ---- one whole decoder layer for a few tokens (decode / verification), fp32 activations ----------------
 namespace {
 
+#if LASERLM_AVX2
+// e^x for 8 floats (Cephes' polynomial, as in avx_mathfun; relative error ~1e-7). Inputs are clamped to
+// [-87, 88.37] (e^-87 ~ 1.6e-38: softmax weights and SiLU / GELU gates that small are 0 to float32 anyway).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.3762626647949f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
 void rmsnorm_rows(const float* x, int64_t rows, int64_t d, const float* w, float eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * d;
     float ss = 0.f;
-    for (int64_t i = 0; i < d; ++i) ss += xr[i] * xr[i];
+    int64_t i = 0;
+#if LASERLM_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= d; i += 16) {
+      const __m256 u = _mm256_loadu_ps(xr + i), v = _mm256_loadu_ps(xr + i + 8);
+      a0 = _mm256_fmadd_ps(u, u, a0);
+      a1 = _mm256_fmadd_ps(v, v, a1);
+    }
+    ss = hsum(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < d; ++i) ss += xr[i] * xr[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
     float* o = out + r * d;
-    for (int64_t i = 0; i < d; ++i) o[i] = xr[i] * inv * w[i];
+    for (i = 0; i < d; ++i) o[i] = xr[i] * inv * w[i];
   }
 }
 
-inline float gelu_tanh(float x) {
-  const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-  return 0.5f * x * (1.f + std::tanh(k * (x + 0.044715f * x * x * x)));
+// o [hd] = softmax(scale * q . K[lo..hi]) @ V[lo..hi] for one query row; K / V rows of hd floats, sc scratch
+// of at least hi + 1 floats. Scores four keys at a time (independent accumulators), exponentials eight at a
+// time, and the weighted sum of V with 64 output floats in registers.
+void attend_row(const float* q, const float* kb, const float* vb, int64_t lo, int64_t hi, int64_t hd, float scale,
+                float* sc, float* o) {
+  int64_t j = lo;
+#if LASERLM_AVX2
+  const bool vec = hd % 8 == 0;
+  if (vec) {
+    for (; j + 4 <= hi + 1; j += 4) {
+      const float* k0 = kb + j * hd;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      for (int64_t e = 0; e < hd; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + e), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + e), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + e), a3);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(sc + j, _mm_mul_ps(r, _mm_set1_ps(scale)));
+    }
+  }
+#endif
+  for (; j <= hi; ++j) {
+    const float* k = kb + j * hd;
+    float acc = 0.f;
+    for (int64_t e = 0; e < hd; ++e) acc += q[e] * k[e];
+    sc[j] = acc * scale;
+  }
+  float mx = -INFINITY;
+  for (j = lo; j <= hi; ++j) mx = std::max(mx, sc[j]);
+  float sum = 0.f;
+  j = lo;
+#if LASERLM_AVX2
+  {
+    __m256 sv = _mm256_setzero_ps();
+    const __m256 mv = _mm256_set1_ps(mx);
+    for (; j + 8 <= hi + 1; j += 8) {
+      const __m256 ev = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+      _mm256_storeu_ps(sc + j, ev);
+      sv = _mm256_add_ps(sv, ev);
+    }
+    sum = hsum(sv);
+  }
+#endif
+  for (; j <= hi; ++j) { sc[j] = std::exp(sc[j] - mx); sum += sc[j]; }
+  const float inv = 1.f / sum;
+  int64_t e0 = 0;
+#if LASERLM_AVX2
+  if (vec) {
+    for (; e0 + 64 <= hd; e0 += 64) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
+      for (j = lo; j <= hi; ++j) {
+        const __m256 p = _mm256_set1_ps(sc[j]);
+        const float* v = vb + j * hd + e0;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + e0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+    }
+    for (; e0 + 8 <= hd; e0 += 8) {
+      __m256 acc = _mm256_setzero_ps();
+      for (j = lo; j <= hi; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(vb + j * hd + e0), acc);
+      _mm256_storeu_ps(o + e0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+    }
+  }
+#endif
+  for (int64_t e = e0; e < hd; ++e) {
+    float acc = 0.f;
+    for (j = lo; j <= hi; ++j) acc += sc[j] * vb[j * hd + e];
+    o[e] = acc * inv;
+  }
+}
+
+// gate activation times up, in place over inter values: out = act(g) * u (act 0 = SiLU, 1 = GELU tanh approx.)
+void glu(const float* g, const float* u, int64_t n, int64_t act, float* out) {
+  int64_t j = 0;
+#if LASERLM_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + j);
+    __m256 a;
+    if (act == 0) {
+      a = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+    } else {  // 0.5 g (1 + tanh(k (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^{2z} + 1)
+      const __m256 z = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715f), gv), _mm256_mul_ps(gv, gv), gv));
+      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.f),
+                                                        _mm256_add_ps(exp256(_mm256_add_ps(z, z)), one)));
+      a = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), gv), _mm256_add_ps(one, t));
+    }
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(a, _mm256_loadu_ps(u + j)));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float x = g[j];
+    const float a = act == 0 ? x / (1.f + std::exp(-x))
+                             : 0.5f * x * (1.f + std::tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    out[j] = a * u[j];
+  }
 }
 
 }  // namespace
 
-// hidden [B, T, d] -> [B, T, d]: the pre-norm transformer block of the Llama family (Llama, Mistral, Qwen2,
-// Qwen3) and of Gemma3 (sandwich norms), with K/V written to the cache at positions [start, start + T).
+// The static arguments of one decoder layer for the whole-layer kernel: the pre-norm transformer block of the
+// Llama family (Llama, Mistral, Qwen2, Qwen3) and of Gemma3 (sandwich norms).
 //   norms: {attn_in, attn_out (Gemma3) or empty, mlp_in, mlp_out (Gemma3) or empty, q_norm or empty, k_norm or empty}
 //          (already the multiplicative weight: Gemma's 1 + w)
 //   mats / fmts: {qkv, o, gate_up, down} blocks; qkv_bias [(H + 2 Hkv) hd] or empty
-//   cos, sin [T, hd]; k_cache, v_cache [B, Hkv, S, hd] float32 contiguous
 //   window: sliding-window size (0 = global attention); act: 0 = SiLU, 1 = GELU (tanh approximation)
-torch::Tensor decode_layer(torch::Tensor hidden, std::vector<torch::Tensor> norms, double eps,
-                           std::vector<torch::Tensor> mats, std::vector<int64_t> fmts, torch::Tensor qkv_bias,
-                           torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                           int64_t start, int64_t n_heads, int64_t n_kv, int64_t hd, double scaling, int64_t window,
-                           int64_t act, int64_t inter) {
-  TORCH_CHECK(hidden.dtype() == torch::kFloat32 && hidden.dim() == 3, "hidden must be float32 [B, T, d]");
-  TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "KV cache must be contiguous float32");
-  hidden = hidden.contiguous();
-  const int64_t B = hidden.size(0), T = hidden.size(1), d = hidden.size(2), R = B * T;
-  const int64_t S = k_cache.size(2), qn = n_heads * hd, kvn = n_kv * hd, nqkv = qn + 2 * kvn;
-  TORCH_CHECK(start + T <= S, "KV cache too short");
-  const float feps = static_cast<float>(eps);
-  auto nptr = [&](int i) -> const float* { return norms[i].numel() ? norms[i].data_ptr<float>() : nullptr; };
-  for (int i = 0; i < 4; ++i) check_weight(mats[i], fmts[i], i == 1 ? qn : (i == 3 ? inter : d));
+namespace {
 
-  auto out = hidden.clone();
-  float* h = out.data_ptr<float>();
+struct LayerSpec {
+  std::vector<torch::Tensor> norms;
+  double eps;
+  std::vector<torch::Tensor> mats;
+  std::vector<int64_t> fmts;
+  torch::Tensor qkv_bias;
+  int64_t n_heads, n_kv, hd;
+  double scaling;
+  int64_t window, act, inter;
+};
+
+LayerSpec make_spec(std::vector<torch::Tensor> norms, double eps, std::vector<torch::Tensor> mats,
+                    std::vector<int64_t> fmts, torch::Tensor qkv_bias, int64_t n_heads, int64_t n_kv, int64_t hd,
+                    double scaling, int64_t window, int64_t act, int64_t inter) {
+  TORCH_CHECK(norms.size() == 6 && mats.size() == 4 && fmts.size() == 4, "6 norms, 4 matrices and 4 formats expected");
+  TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0 && hd > 0 && hd % 2 == 0, "bad head configuration");
+  const int64_t d = mats[0].size(1) / block_bytes(fmts[0]) * QK;
+  for (int i = 0; i < 4; ++i) check_weight(mats[i], fmts[i], i == 1 ? n_heads * hd : (i == 3 ? inter : d));
+  for (auto& n : norms) TORCH_CHECK(n.numel() == 0 || (n.dtype() == torch::kFloat32 && n.is_contiguous()), "norm weights must be contiguous float32");
+  return LayerSpec{norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter};
+}
+
+// h [B, T, d] float32, in place: one layer, K/V written to the cache at positions [start, start + T).
+// cos, sin [T, hd]; k_cache, v_cache [B, Hkv, S, hd] float32 contiguous.
+void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t start) {
+  TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == L.n_kv && k_cache.size(3) == L.hd &&
+              v_cache.sizes() == k_cache.sizes(), "KV cache must be contiguous float32 [B, Hkv, S, hd]");
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * L.hd &&
+              sin.numel() == T * L.hd, "cos / sin must be contiguous float32 [T, hd]");
+  const int64_t n_heads = L.n_heads, n_kv = L.n_kv, hd = L.hd, inter = L.inter, R = B * T;
+  const int64_t S = k_cache.size(2), qn = n_heads * hd, kvn = n_kv * hd, nqkv = qn + 2 * kvn;
+  TORCH_CHECK(start >= 0 && start + T <= S, "KV cache too short");
+  const float feps = static_cast<float>(L.eps);
+  auto nptr = [&](int i) -> const float* { return L.norms[i].numel() ? L.norms[i].data_ptr<float>() : nullptr; };
+  const auto& mats = L.mats;
+  const auto& fmts = L.fmts;
   std::vector<float> xn(R * std::max(d, inter)), qkv(R * nqkv), att(R * qn), gu(R * 2 * inter), tmp(R * d);
 
   // attention block
   rmsnorm_rows(h, R, d, nptr(0), feps, xn.data());
   matmul_blocks(xn.data(), R, d, mats[0].data_ptr<uint8_t>(), nqkv, fmts[0], qkv.data(), nqkv);
-  if (qkv_bias.numel()) {
-    const float* bb = qkv_bias.data_ptr<float>();
+  if (L.qkv_bias.numel()) {
+    const float* bb = L.qkv_bias.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) for (int64_t j = 0; j < nqkv; ++j) qkv[r * nqkv + j] += bb[j];
   }
   const float* cp = cos.data_ptr<float>();
@@ -363,35 +625,16 @@ torch::Tensor decode_layer(torch::Tensor hidden, std::vector<torch::Tensor> norm
         std::memcpy(vc + ((b * n_kv + g) * S + start + t) * hd, row + qn + kvn + g * hd, hd * sizeof(float));
       }
     }
-  const int64_t group = n_heads / n_kv;
-  const float fscale = static_cast<float>(scaling);
+  const int64_t group = n_heads / n_kv, window = L.window;
+  const float fscale = static_cast<float>(L.scaling);
   at::parallel_for(0, B * n_heads * T, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(start + T);
+    std::vector<float> sc(start + T + 8);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i % T, head = (i / T) % n_heads, b = i / (T * n_heads), g = head / group;
       const int64_t pos = start + t;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const float* q = qkv.data() + (b * T + t) * nqkv + head * hd;
-      const float* kb = kc + (b * n_kv + g) * S * hd;
-      const float* vb = vc + (b * n_kv + g) * S * hd;
-      float mx = -INFINITY;
-      for (int64_t j = lo; j <= pos; ++j) {
-        const float* k = kb + j * hd;
-        float acc = 0.f;
-        for (int64_t e = 0; e < hd; ++e) acc += q[e] * k[e];
-        sc[j] = acc * fscale;
-        mx = std::max(mx, sc[j]);
-      }
-      float sum = 0.f;
-      for (int64_t j = lo; j <= pos; ++j) { sc[j] = std::exp(sc[j] - mx); sum += sc[j]; }
-      const float inv = 1.f / sum;
-      float* o = att.data() + (b * T + t) * qn + head * hd;
-      for (int64_t e = 0; e < hd; ++e) o[e] = 0.f;
-      for (int64_t j = lo; j <= pos; ++j) {
-        const float p = sc[j] * inv;
-        const float* v = vb + j * hd;
-        for (int64_t e = 0; e < hd; ++e) o[e] += p * v[e];
-      }
+      attend_row(qkv.data() + (b * T + t) * nqkv + head * hd, kc + (b * n_kv + g) * S * hd,
+                 vc + (b * n_kv + g) * S * hd, lo, pos, hd, fscale, sc.data(), att.data() + (b * T + t) * qn + head * hd);
     }
   });
   matmul_blocks(att.data(), R, qn, mats[1].data_ptr<uint8_t>(), d, fmts[1], tmp.data(), d);
@@ -401,17 +644,74 @@ torch::Tensor decode_layer(torch::Tensor hidden, std::vector<torch::Tensor> norm
   // MLP block
   rmsnorm_rows(h, R, d, nptr(2), feps, xn.data());
   matmul_blocks(xn.data(), R, d, mats[2].data_ptr<uint8_t>(), 2 * inter, fmts[2], gu.data(), 2 * inter);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* g = gu.data() + r * 2 * inter;
-    float* o = xn.data() + r * inter;
-    if (act == 0) {
-      for (int64_t j = 0; j < inter; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * g[inter + j];
-    } else {
-      for (int64_t j = 0; j < inter; ++j) o[j] = gelu_tanh(g[j]) * g[inter + j];
-    }
-  }
+  for (int64_t r = 0; r < R; ++r)
+    glu(gu.data() + r * 2 * inter, gu.data() + r * 2 * inter + inter, inter, L.act, xn.data() + r * inter);
   matmul_blocks(xn.data(), R, inter, mats[3].data_ptr<uint8_t>(), d, fmts[3], tmp.data(), d);
   if (nptr(3) != nullptr) rmsnorm_rows(tmp.data(), R, d, nptr(3), feps, tmp.data());
   for (int64_t i = 0; i < R * d; ++i) h[i] += tmp[i];
+}
+
+torch::Tensor checked_hidden(const torch::Tensor& hidden) {
+  TORCH_CHECK(hidden.dtype() == torch::kFloat32 && hidden.dim() == 3, "hidden must be float32 [B, T, d]");
+  return hidden.contiguous().clone();
+}
+
+}  // namespace
+
+// hidden [B, T, d] -> [B, T, d]: one decoder layer (see LayerSpec for the arguments); cos, sin [T, hd];
+// k_cache, v_cache [B, Hkv, S, hd] float32, written at positions [start, start + T).
+torch::Tensor decode_layer(torch::Tensor hidden, std::vector<torch::Tensor> norms, double eps,
+                           std::vector<torch::Tensor> mats, std::vector<int64_t> fmts, torch::Tensor qkv_bias,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                           int64_t start, int64_t n_heads, int64_t n_kv, int64_t hd, double scaling, int64_t window,
+                           int64_t act, int64_t inter) {
+  const LayerSpec L = make_spec(norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter);
+  auto out = checked_hidden(hidden);
+  layer_forward(L, out.data_ptr<float>(), out.size(0), out.size(1), out.size(2), cos, sin, k_cache, v_cache, start);
   return out;
+}
+
+// A model's native layers, registered once (weights validated then), run several at a time in one call: a
+// decode step of a 30-layer model crosses from Python into the kernels once instead of 30 times.
+class LayerStack {
+ public:
+  int64_t add(std::vector<torch::Tensor> norms, double eps, std::vector<torch::Tensor> mats, std::vector<int64_t> fmts,
+              torch::Tensor qkv_bias, int64_t n_heads, int64_t n_kv, int64_t hd, double scaling, int64_t window,
+              int64_t act, int64_t inter) {
+    layers_.push_back(make_spec(norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter));
+    return static_cast<int64_t>(layers_.size()) - 1;
+  }
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [B, T, d] -> [B, T, d] through the registered layers `ids` in order; cos[i], sin[i] [T, hd] and
+  // k[i], v[i] [B, Hkv, S, hd] belong to ids[i]; K/V are written at positions [start, start + T).
+  torch::Tensor run(torch::Tensor hidden, std::vector<int64_t> ids, std::vector<torch::Tensor> cos,
+                    std::vector<torch::Tensor> sin, std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
+                    int64_t start) const {
+    const size_t n = ids.size();
+    TORCH_CHECK(cos.size() == n && sin.size() == n && k.size() == n && v.size() == n,
+                "one cos, sin, K and V tensor per layer expected");
+    auto out = checked_hidden(hidden);
+    float* h = out.data_ptr<float>();
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < size(), "layer id ", ids[i], " not registered");
+      layer_forward(layers_[ids[i]], h, out.size(0), out.size(1), out.size(2), cos[i], sin[i], k[i], v[i], start);
+    }
+    return out;
+  }
+
+ private:
+  std::vector<LayerSpec> layers_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qmatmul", &qmatmul, "y [T, N] = x [T, K] @ dequant(w).T");
+  m.def("dequantize", &dequantize, "float32 rows of a block matrix");
+  m.def("decode_layer", &decode_layer, "one decoder layer over block matrices");
+  m.def("has_avx2", &has_avx2, "built with AVX2 + FMA + F16C");
+  pybind11::class_<LayerStack>(m, "LayerStack")
+      .def(pybind11::init<>())
+      .def("add", &LayerStack::add)
+      .def("size", &LayerStack::size)
+      .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
