@@ -98,43 +98,51 @@ def test_paged_batch_rows_on_smollm2(smol):
     check_batch_rows(smol.engine, seqs, steps=4)
 
 
-def test_paged_single_request_runs_the_native_layer_kernel(monkeypatch):
-    """On packed native weights a paged request with nothing evicted runs the compiled whole-layer kernel (its K/V
-    gathered from the pages, the new positions written back) and gives exactly the contiguous cache's logits; a
-    small batch runs it row by row (exactly each row alone), a larger one the PyTorch ops (close)."""
+def test_paged_requests_run_the_native_layer_kernel(monkeypatch):
+    """On packed native weights a paged request with nothing evicted runs the compiled whole-layer kernel on its
+    pages (``LayerStack.run_paged``: attention reads through the page table, the new K/V are written into their
+    pages) and gives exactly the contiguous cache's logits; a batch of any size runs it with all rows in one call,
+    exactly each row alone; the packed PyTorch ops (``native_layers = False``) stay close."""
     import laserlm
     from laserlm.runtime import packed_layers
 
     lm = laserlm.load("smollm2-135m", weights="native")
     if packed_layers.kernels.ops() is None:
         pytest.skip("the compiled kernels are not available here")
-    calls = {"kernel": 0, "fallback": 0}
-    real = packed_layers._native_layer
+    calls = {"stack": 0, "per_layer": 0}
+    real_stack, real_layer = packed_layers.native_stack_run, packed_layers._native_layer
 
-    def counting(layer, hidden, cos, sin, cache):
-        out = real(layer, hidden, cos, sin, cache)
-        calls["kernel" if out is not None else "fallback"] += 1
-        return out
+    def counting_stack(stack, layers, start, stop, *args):
+        out, j = real_stack(stack, layers, start, stop, *args)
+        calls["stack"] += (j - start) if out is not None else 0
+        return out, j
 
-    monkeypatch.setattr(packed_layers, "_native_layer", counting)
+    def counting_layer(*args):
+        calls["per_layer"] += 1
+        return real_layer(*args)
+
+    monkeypatch.setattr(packed_layers, "native_stack_run", counting_stack)
+    monkeypatch.setattr(packed_layers, "_native_layer", counting_layer)
     ids = torch.tensor([lm.tokenizer("Paged native decoding must read the same keys and values as the "
                                      "contiguous cache, across a page boundary.")["input_ids"]])
     prompt_len = ids.shape[1] - 6
     contiguous = decode_logits(lm.engine, lm.engine.new_cache(ids.shape[1]), ids, prompt_len)
-    calls.update(kernel=0, fallback=0)
+    calls.update(stack=0, per_layer=0)
     pool = KVPool.for_engine(lm.engine, "32MiB")
     paged = decode_logits(lm.engine, PagedCache(pool, ids.shape[1]), ids, prompt_len)
-    assert calls["fallback"] == 0 and calls["kernel"] == 7 * lm.engine.num_layers  # prompt (< 16) + 6 steps
+    assert calls == {"stack": 7 * lm.engine.num_layers, "per_layer": 0}  # prompt (< 16 tokens) + 6 steps
     assert torch.equal(paged, contiguous)
-    # a small batch runs the kernel row by row: exactly each row alone
-    calls.update(kernel=0, fallback=0)
-    check_batch_rows(lm.engine, [ids[:, :5], ids[:, :11]], steps=3, atol=0, rtol=0)
-    assert calls["fallback"] == 0
-    # more rows than KERNEL_BATCH_ROWS: the packed PyTorch ops (the kernel's int8 activations round differently)
-    calls.update(kernel=0, fallback=0)
-    rows = [ids[:, :n] for n in range(3, 3 + packed_layers.KERNEL_BATCH_ROWS + 1)]
-    check_batch_rows(lm.engine, rows, steps=2, atol=5e-2, rtol=0)
-    assert calls["fallback"] == 2 * lm.engine.num_layers
+    for n_rows in (2, 5):  # rows of different lengths, across page boundaries (pages of 16 and of 4)
+        calls.update(stack=0, per_layer=0)
+        rows = [ids[:, :n] for n in range(3, 3 + 3 * n_rows, 3)]  # prompts of at most 15 tokens: all on the kernel
+        check_batch_rows(lm.engine, rows, steps=3, atol=0, rtol=0)
+        check_batch_rows(lm.engine, rows, steps=2, page_size=4, atol=0, rtol=0)
+        assert calls["per_layer"] == 0 and calls["stack"] > 0
+    lm.engine.native_layers = False  # the packed PyTorch ops on the same pages (int16 activation rounding differs)
+    try:
+        check_batch_rows(lm.engine, [ids[:, :n] for n in (3, 9, 17)], steps=2, atol=5e-2, rtol=0)
+    finally:
+        lm.engine.native_layers = True
 
 
 def test_paged_tiny_gemma3_sliding_window():

@@ -175,7 +175,7 @@ def test_compiled_layer_equals_the_pytorch_ops(smol_native):
         b = _logits(eng, ids, steps)
     finally:
         eng.native_layers = True
-    # both round the activations to int8 per 32-block, and slightly different float sums flip a rounding now
+    # both round the activations to int16 per 32-block, and slightly different float sums flip a rounding now
     # and then, so the paths agree to the size of one such flip, far closer than either is to fp32
     rel = ((a - b).norm() / b.norm()).item()
     assert rel < 1e-2, rel

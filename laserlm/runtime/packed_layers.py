@@ -11,7 +11,7 @@ One function per family computes the same function as the transformers layer (tr
 - attention is laserlm's attention function (so attention probabilities for the ATS, block-sparse
   kernels and masked bridge holes work unchanged).
 
-Numerics differ from the float model only by the weight format and the kernels' int8 activation
+Numerics differ from the float model only by the weight format and the kernels' int16 activation
 rounding (``tests/test_quantized.py`` bounds both against float64 references).
 """
 
@@ -112,7 +112,8 @@ def _native_args(layer):
     return args
 
 
-KERNEL_BATCH_ROWS = 2  # a paged batch of at most this many rows runs the kernel row by row (measured faster at 2, not at 4)
+KERNEL_BATCH_ROWS = 2  # per-layer path only (the engine runs layers through NativeStack): a paged batch of at most this
+# many rows runs the kernel row by row (measured faster at 2, not at 4)
 
 
 def _paged_kernel_rows(cache) -> bool:
@@ -195,30 +196,42 @@ class NativeStack:
 def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: torch.Tensor, rope: dict,
                      types, cache, eligible) -> tuple[torch.Tensor | None, int]:
     """Run layers ``start .. j-1`` in one kernel call, for the longest ``j <= stop`` such that every layer in between
-    is ``eligible(i)`` (packed, no hooks) and the kernel can take it on a contiguous cache with no attention hook
-    active (no block-sparse kernel, no attention probabilities or key masks wanted). Returns ``(hidden, j)``;
-    ``(None, start)`` when not even layer ``start`` qualifies. ``hidden [B, T, d]`` float32."""
-    if not isinstance(cache, CacheWindow) or hidden.dtype != torch.float32 or hidden.shape[1] > KERNEL_MAX_ROWS:
+    is ``eligible(i)`` (packed, no hooks) and the kernel can take it, with no attention hook active (no block-sparse
+    kernel, no attention probabilities or key masks wanted), on the engine's contiguous cache or on a paged window
+    of the KV pool with nothing evicted (any number of rows, each at its own position: the weights are read once for
+    all rows). Returns ``(hidden, j)``; ``(None, start)`` when not even layer ``start`` qualifies.
+    ``hidden [B, T, d]`` float32."""
+    paged = getattr(cache, "rows", None) is not None
+    if not (paged or isinstance(cache, CacheWindow)) or hidden.dtype != torch.float32 \
+            or hidden.shape[1] > KERNEL_MAX_ROWS:
+        return None, start
+    if paged and (cache._holes or cache.pool.k.dtype != torch.float32 or hidden.shape[0] != len(cache.rows)):
         return None, start
     ctx = attn.current_context()
     if ctx is None or ctx.kernel is not None or ctx.want_probs or ctx.key_valid:
         return None, start
-    ids, cos, sin, ks, vs = [], [], [], [], []
+    ids, cos, sin, kv = [], [], [], []
     j = start
     while j < stop and eligible(j):
         sid = stack.id_of(layers[j])
-        k = cache.k[j]
-        if sid is None or k.dtype != torch.float32:
+        if sid is None or (not paged and cache.k[j].dtype != torch.float32):
             break
         c, s_ = rope[types[j]]
         ids.append(sid)
-        cos.append(c[0])
-        sin.append(s_[0])
-        ks.append(k)
-        vs.append(cache.v[j])
+        if paged:  # [B, T, hd] (rows at their own positions) or [1, T, hd] (one row)
+            cos.append(c.contiguous())
+            sin.append(s_.contiguous())
+            kv.append(cache._tables[:, j].contiguous())  # [B, P] each row's pages of layer j
+        else:
+            cos.append(c[0])
+            sin.append(s_[0])
         j += 1
     if not ids:
         return None, start
+    if paged:
+        starts = cache._pos[:, 0].tolist()
+        return stack.stack.run_paged(hidden, ids, cos, sin, cache.pool.k, cache.pool.v, kv, starts), j
+    ks, vs = [cache.k[i] for i in range(start, j)], [cache.v[i] for i in range(start, j)]
     return stack.stack.run(hidden, ids, cos, sin, ks, vs, cache.start), j
 
 

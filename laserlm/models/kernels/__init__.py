@@ -70,7 +70,8 @@ def _build():
 
 
 def ops():
-    """The compiled kernel module (``qmatmul``, ``dequantize``, ``has_avx2``), or ``None`` if it cannot be built.
+    """The compiled kernel module (``qmatmul``, ``dequantize``, ``decode_layer``, ``has_avx2`` and the ``LayerStack``
+    class), or ``None`` if it cannot be built.
 
     Set ``LASERLM_NO_KERNELS=1`` to force the PyTorch reference path (with a warning).
     """

@@ -432,24 +432,32 @@ void rmsnorm_rows(const float* x, int64_t rows, int64_t d, const float* w, float
   }
 }
 
-// o [hd] = softmax(scale * q . K[lo..hi]) @ V[lo..hi] for one query row; K / V rows of hd floats, sc scratch
-// of at least hi + 1 floats. Scores four keys at a time (independent accumulators), exponentials eight at a
-// time, and the weighted sum of V with 64 output floats in registers.
-void attend_row(const float* q, const float* kb, const float* vb, int64_t lo, int64_t hi, int64_t hd, float scale,
-                float* sc, float* o) {
-  int64_t j = lo;
+// Where the keys / values of one (row, kv head) live: a contiguous [S, hd] block (the engine's cache), or pages
+// of ps positions (the paged KV pool: page p of the row = table[p], rows of pool [Hkv, n_pages, ps, hd]).
+struct KVRows {
+  const float* k;  // contiguous: the [S, hd] block of this (row, head); paged: pool + head * n_pages * ps * hd
+  const float* v;
+  const int64_t* table = nullptr;  // paged: the row's pages of this layer, in order
+  int64_t ps = 0;
+  // [j0, j1) within one contiguous run starting at key j0: pointers to key j0 and the run's end (exclusive)
+  inline int64_t run_end(int64_t j0, int64_t j1) const { return table ? std::min(j1, (j0 / ps + 1) * ps) : j1; }
+  inline int64_t offset(int64_t j, int64_t hd) const { return table ? (table[j / ps] * ps + j % ps) * hd : j * hd; }
+};
+
+// sc[j] = scale * q . k_j for keys j in [j0, j1) of one contiguous run (four keys at a time)
+inline void scores_run(const float* q, const float* k0, int64_t j0, int64_t j1, int64_t hd, float scale, float* sc) {
+  int64_t j = j0;
 #if LASERLM_AVX2
-  const bool vec = hd % 8 == 0;
-  if (vec) {
-    for (; j + 4 <= hi + 1; j += 4) {
-      const float* k0 = kb + j * hd;
+  if (hd % 8 == 0) {
+    for (; j + 4 <= j1; j += 4) {
+      const float* kr = k0 + (j - j0) * hd;
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
       for (int64_t e = 0; e < hd; e += 8) {
         const __m256 qv = _mm256_loadu_ps(q + e);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + e), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + hd + e), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * hd + e), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * hd + e), a3);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + e), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + hd + e), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 2 * hd + e), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr + 3 * hd + e), a3);
       }
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
       const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -457,16 +465,61 @@ void attend_row(const float* q, const float* kb, const float* vb, int64_t lo, in
     }
   }
 #endif
-  for (; j <= hi; ++j) {
-    const float* k = kb + j * hd;
+  for (; j < j1; ++j) {
+    const float* k = k0 + (j - j0) * hd;
     float acc = 0.f;
     for (int64_t e = 0; e < hd; ++e) acc += q[e] * k[e];
     sc[j] = acc * scale;
   }
+}
+
+// o [hd] += sum_j sc[j] v_j over keys [j0, j1) of one contiguous run
+inline void pv_run(const float* sc, const float* v0, int64_t j0, int64_t j1, int64_t hd, float* o) {
+  int64_t e0 = 0;
+#if LASERLM_AVX2
+  if (hd % 8 == 0) {
+    for (; e0 + 64 <= hd; e0 += 64) {
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(o + e0 + 8 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        const __m256 p = _mm256_set1_ps(sc[j]);
+        const float* v = v0 + (j - j0) * hd + e0;
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + e0 + 8 * c, acc[c]);
+    }
+    for (; e0 + 8 <= hd; e0 += 8) {
+      __m256 acc = _mm256_loadu_ps(o + e0);
+      for (int64_t j = j0; j < j1; ++j)
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(v0 + (j - j0) * hd + e0), acc);
+      _mm256_storeu_ps(o + e0, acc);
+    }
+  }
+#endif
+  for (int64_t e = e0; e < hd; ++e) {
+    float acc = o[e];
+    for (int64_t j = j0; j < j1; ++j) acc += sc[j] * v0[(j - j0) * hd + e];
+    o[e] = acc;
+  }
+}
+
+// o [hd] = softmax(scale * q . K[lo..hi]) @ V[lo..hi] for one query row (keys lo..hi inclusive); sc scratch of at
+// least hi + 1 floats. Scores four keys at a time, exponentials eight at a time, the weighted sum of V with 64
+// output floats in registers; runs of contiguous keys (the whole range, or one page at a time).
+void attend_row(const float* q, const KVRows& kv, int64_t lo, int64_t hi, int64_t hd, float scale, float* sc,
+                float* o) {
+  for (int64_t j0 = lo; j0 <= hi;) {
+    const int64_t j1 = kv.run_end(j0, hi + 1);
+    scores_run(q, kv.k + kv.offset(j0, hd), j0, j1, hd, scale, sc);
+    j0 = j1;
+  }
   float mx = -INFINITY;
-  for (j = lo; j <= hi; ++j) mx = std::max(mx, sc[j]);
+  for (int64_t j = lo; j <= hi; ++j) mx = std::max(mx, sc[j]);
   float sum = 0.f;
-  j = lo;
+  int64_t j = lo;
 #if LASERLM_AVX2
   {
     __m256 sv = _mm256_setzero_ps();
@@ -481,34 +534,13 @@ void attend_row(const float* q, const float* kb, const float* vb, int64_t lo, in
 #endif
   for (; j <= hi; ++j) { sc[j] = std::exp(sc[j] - mx); sum += sc[j]; }
   const float inv = 1.f / sum;
-  int64_t e0 = 0;
-#if LASERLM_AVX2
-  if (vec) {
-    for (; e0 + 64 <= hd; e0 += 64) {
-      __m256 acc[8];
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_ps();
-      for (j = lo; j <= hi; ++j) {
-        const __m256 p = _mm256_set1_ps(sc[j]);
-        const float* v = vb + j * hd + e0;
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
-      }
-#pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + e0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
-    }
-    for (; e0 + 8 <= hd; e0 += 8) {
-      __m256 acc = _mm256_setzero_ps();
-      for (j = lo; j <= hi; ++j) acc = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), _mm256_loadu_ps(vb + j * hd + e0), acc);
-      _mm256_storeu_ps(o + e0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
-    }
+  std::fill(o, o + hd, 0.f);
+  for (int64_t j0 = lo; j0 <= hi;) {
+    const int64_t j1 = kv.run_end(j0, hi + 1);
+    pv_run(sc, kv.v + kv.offset(j0, hd), j0, j1, hd, o);
+    j0 = j1;
   }
-#endif
-  for (int64_t e = e0; e < hd; ++e) {
-    float acc = 0.f;
-    for (j = lo; j <= hi; ++j) acc += sc[j] * vb[j * hd + e];
-    o[e] = acc * inv;
-  }
+  for (int64_t e = 0; e < hd; ++e) o[e] *= inv;
 }
 
 // gate activation times up, in place over inter values: out = act(g) * u (act 0 = SiLU, 1 = GELU tanh approx.)
@@ -571,18 +603,38 @@ LayerSpec make_spec(std::vector<torch::Tensor> norms, double eps, std::vector<to
   return LayerSpec{norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter};
 }
 
-// h [B, T, d] float32, in place: one layer, K/V written to the cache at positions [start, start + T).
-// cos, sin [T, hd]; k_cache, v_cache [B, Hkv, S, hd] float32 contiguous.
-void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t start) {
+// Where a layer's K/V go and come from: the engine's contiguous cache [B, Hkv, S, hd] (one start for all rows), or
+// the paged KV pool [Hkv, n_pages, ps, hd] with each row's page table of this layer [B, P] and its own start.
+struct KVTarget {
+  float* k;
+  float* v;
+  int64_t S = 0;                   // contiguous: positions per row
+  const int64_t* tables = nullptr;  // paged: [B, P] page ids
+  int64_t P = 0, n_pages = 0, ps = 0;
+  std::vector<int64_t> starts;     // [B] position of each row's first new token
+};
+
+KVTarget contiguous_kv(const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t B, int64_t n_kv, int64_t hd,
+                       int64_t start, int64_t T) {
   TORCH_CHECK(k_cache.dtype() == torch::kFloat32 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == L.n_kv && k_cache.size(3) == L.hd &&
+              k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == n_kv && k_cache.size(3) == hd &&
               v_cache.sizes() == k_cache.sizes(), "KV cache must be contiguous float32 [B, Hkv, S, hd]");
-  TORCH_CHECK(cos.dtype() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * L.hd &&
-              sin.numel() == T * L.hd, "cos / sin must be contiguous float32 [T, hd]");
+  TORCH_CHECK(start >= 0 && start + T <= k_cache.size(2), "KV cache too short");
+  KVTarget kv{k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache.size(2)};
+  kv.starts.assign(B, start);
+  return kv;
+}
+
+// h [B, T, d] float32, in place: one layer, K/V of the new positions written to `kv`.
+// cos, sin: [T, hd] (every row at the same positions) or [B, T, hd] (each row at its own).
+void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d, const torch::Tensor& cos,
+                   const torch::Tensor& sin, const KVTarget& kv) {
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous() &&
+              sin.numel() == cos.numel() && (cos.numel() == T * L.hd || cos.numel() == B * T * L.hd),
+              "cos / sin must be contiguous float32 [T, hd] or [B, T, hd]");
+  const bool row_rope = cos.numel() != T * L.hd;
   const int64_t n_heads = L.n_heads, n_kv = L.n_kv, hd = L.hd, inter = L.inter, R = B * T;
-  const int64_t S = k_cache.size(2), qn = n_heads * hd, kvn = n_kv * hd, nqkv = qn + 2 * kvn;
-  TORCH_CHECK(start >= 0 && start + T <= S, "KV cache too short");
+  const int64_t qn = n_heads * hd, kvn = n_kv * hd, nqkv = qn + 2 * kvn;
   const float feps = static_cast<float>(L.eps);
   auto nptr = [&](int i) -> const float* { return L.norms[i].numel() ? L.norms[i].data_ptr<float>() : nullptr; };
   const auto& mats = L.mats;
@@ -601,7 +653,7 @@ void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d
   const int64_t half = hd / 2;
   std::vector<float> rot(hd);
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = r % T;
+    const int64_t t = row_rope ? r : r % T;  // row of the cos / sin table
     for (int64_t head = 0; head < n_heads + n_kv; ++head) {
       float* v = qkv.data() + r * nqkv + head * hd;
       const float* nw = head < n_heads ? nptr(4) : nptr(5);
@@ -615,26 +667,44 @@ void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d
       std::memcpy(v, rot.data(), hd * sizeof(float));
     }
   }
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
+  // K/V of the new positions
+  auto slot = [&](const float* base, int64_t b, int64_t g, int64_t pos) -> float* {
+    float* p = const_cast<float*>(base);
+    if (kv.tables == nullptr) return p + ((b * n_kv + g) * kv.S + pos) * hd;
+    const int64_t page = kv.tables[b * kv.P + pos / kv.ps];
+    return p + ((g * kv.n_pages + page) * kv.ps + pos % kv.ps) * hd;
+  };
+  int64_t max_end = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    max_end = std::max(max_end, kv.starts[b] + T);
     for (int64_t t = 0; t < T; ++t) {
       const float* row = qkv.data() + (b * T + t) * nqkv;
       for (int64_t g = 0; g < n_kv; ++g) {
-        std::memcpy(kc + ((b * n_kv + g) * S + start + t) * hd, row + qn + g * hd, hd * sizeof(float));
-        std::memcpy(vc + ((b * n_kv + g) * S + start + t) * hd, row + qn + kvn + g * hd, hd * sizeof(float));
+        std::memcpy(slot(kv.k, b, g, kv.starts[b] + t), row + qn + g * hd, hd * sizeof(float));
+        std::memcpy(slot(kv.v, b, g, kv.starts[b] + t), row + qn + kvn + g * hd, hd * sizeof(float));
       }
     }
+  }
   const int64_t group = n_heads / n_kv, window = L.window;
   const float fscale = static_cast<float>(L.scaling);
   at::parallel_for(0, B * n_heads * T, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(start + T + 8);
+    std::vector<float> sc(max_end + 8);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i % T, head = (i / T) % n_heads, b = i / (T * n_heads), g = head / group;
-      const int64_t pos = start + t;
+      const int64_t pos = kv.starts[b] + t;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      attend_row(qkv.data() + (b * T + t) * nqkv + head * hd, kc + (b * n_kv + g) * S * hd,
-                 vc + (b * n_kv + g) * S * hd, lo, pos, hd, fscale, sc.data(), att.data() + (b * T + t) * qn + head * hd);
+      KVRows rows;
+      if (kv.tables == nullptr) {
+        rows.k = kv.k + (b * n_kv + g) * kv.S * hd;
+        rows.v = kv.v + (b * n_kv + g) * kv.S * hd;
+      } else {
+        rows.k = kv.k + g * kv.n_pages * kv.ps * hd;
+        rows.v = kv.v + g * kv.n_pages * kv.ps * hd;
+        rows.table = kv.tables + b * kv.P;
+        rows.ps = kv.ps;
+      }
+      attend_row(qkv.data() + (b * T + t) * nqkv + head * hd, rows, lo, pos, hd, fscale, sc.data(),
+                 att.data() + (b * T + t) * qn + head * hd);
     }
   });
   matmul_blocks(att.data(), R, qn, mats[1].data_ptr<uint8_t>(), d, fmts[1], tmp.data(), d);
@@ -667,7 +737,8 @@ torch::Tensor decode_layer(torch::Tensor hidden, std::vector<torch::Tensor> norm
                            int64_t act, int64_t inter) {
   const LayerSpec L = make_spec(norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter);
   auto out = checked_hidden(hidden);
-  layer_forward(L, out.data_ptr<float>(), out.size(0), out.size(1), out.size(2), cos, sin, k_cache, v_cache, start);
+  layer_forward(L, out.data_ptr<float>(), out.size(0), out.size(1), out.size(2), cos, sin,
+                contiguous_kv(k_cache, v_cache, out.size(0), n_kv, hd, start, out.size(1)));
   return out;
 }
 
@@ -695,7 +766,47 @@ class LayerStack {
     float* h = out.data_ptr<float>();
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(ids[i] >= 0 && ids[i] < size(), "layer id ", ids[i], " not registered");
-      layer_forward(layers_[ids[i]], h, out.size(0), out.size(1), out.size(2), cos[i], sin[i], k[i], v[i], start);
+      const LayerSpec& L = layers_[ids[i]];
+      layer_forward(L, h, out.size(0), out.size(1), out.size(2), cos[i], sin[i],
+                    contiguous_kv(k[i], v[i], out.size(0), L.n_kv, L.hd, start, out.size(1)));
+    }
+    return out;
+  }
+
+  // The same over the paged KV pool: pool_k, pool_v [Hkv, n_pages, ps, hd] float32 (shared by all layers);
+  // tables[i] [B, P] int64 = each row's pages of layer ids[i] in order (enough for starts[b] + T positions);
+  // starts [B] = each row's first new position; cos[i], sin[i] [B, T, hd]. Rows are computed exactly as each
+  // row alone would be (the weights are read once for all of them).
+  torch::Tensor run_paged(torch::Tensor hidden, std::vector<int64_t> ids, std::vector<torch::Tensor> cos,
+                          std::vector<torch::Tensor> sin, torch::Tensor pool_k, torch::Tensor pool_v,
+                          std::vector<torch::Tensor> tables, std::vector<int64_t> starts) const {
+    const size_t n = ids.size();
+    TORCH_CHECK(cos.size() == n && sin.size() == n && tables.size() == n, "one cos, sin and page table per layer expected");
+    TORCH_CHECK(pool_k.dtype() == torch::kFloat32 && pool_k.is_contiguous() && pool_v.is_contiguous() &&
+                pool_k.dim() == 4 && pool_v.sizes() == pool_k.sizes(), "KV pool must be contiguous float32 [Hkv, pages, ps, hd]");
+    auto out = checked_hidden(hidden);
+    const int64_t B = out.size(0), T = out.size(1);
+    TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "one start per row expected");
+    float* h = out.data_ptr<float>();
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < size(), "layer id ", ids[i], " not registered");
+      const LayerSpec& L = layers_[ids[i]];
+      TORCH_CHECK(pool_k.size(0) == L.n_kv && pool_k.size(3) == L.hd, "KV pool shape does not match the layer");
+      const torch::Tensor& tab = tables[i];
+      TORCH_CHECK(tab.dtype() == torch::kInt64 && tab.is_contiguous() && tab.dim() == 2 && tab.size(0) == B,
+                  "page tables must be contiguous int64 [B, P]");
+      KVTarget kv{pool_k.data_ptr<float>(), pool_v.data_ptr<float>()};
+      kv.tables = tab.data_ptr<int64_t>();
+      kv.P = tab.size(1);
+      kv.n_pages = pool_k.size(1);
+      kv.ps = pool_k.size(2);
+      kv.starts = starts;
+      for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK(starts[b] >= 0 && starts[b] + T <= kv.P * kv.ps, "row ", b, ": page table too short");
+        for (int64_t p = 0; p < (starts[b] + T + kv.ps - 1) / kv.ps; ++p)
+          TORCH_CHECK(kv.tables[b * kv.P + p] >= 0 && kv.tables[b * kv.P + p] < kv.n_pages, "page id out of range");
+      }
+      layer_forward(L, h, B, T, out.size(2), cos[i], sin[i], kv);
     }
     return out;
   }
@@ -713,5 +824,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<>())
       .def("add", &LayerStack::add)
       .def("size", &LayerStack::size)
-      .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("run", &LayerStack::run, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("run_paged", &LayerStack::run_paged, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
