@@ -138,6 +138,13 @@ def test_paged_requests_run_the_native_layer_kernel(monkeypatch):
         check_batch_rows(lm.engine, rows, steps=3, atol=0, rtol=0)
         check_batch_rows(lm.engine, rows, steps=2, page_size=4, atol=0, rtol=0)
         assert calls["per_layer"] == 0 and calls["stack"] > 0
+    saved, lm.engine._stack = lm.engine._stack, False  # without the LayerStack: the per-layer kernel, row by row
+    try:
+        calls.update(stack=0, per_layer=0)
+        check_batch_rows(lm.engine, [ids[:, :5], ids[:, :11]], steps=2, atol=0, rtol=0)
+        assert calls["stack"] == 0 and calls["per_layer"] > 0
+    finally:
+        lm.engine._stack = saved
     lm.engine.native_layers = False  # the packed PyTorch ops on the same pages (int16 activation rounding differs)
     try:
         check_batch_rows(lm.engine, [ids[:, :n] for n in (3, 9, 17)], steps=2, atol=5e-2, rtol=0)

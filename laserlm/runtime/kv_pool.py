@@ -540,6 +540,32 @@ class PagedWindow:
         self._batched = positions.dim() == 2
         self._kpos_all = None
 
+    # -- read-only views for the compiled kernels (runtime/packed_layers.py), which read and write the pages directly
+    @property
+    def evicted(self) -> bool:
+        """Some row has evicted pages (its K/V are then not simply its pages in order)."""
+        return self._holes
+
+    @property
+    def batched(self) -> bool:
+        """The window holds the rows of a :class:`PagedBatch` (positions ``[B, T]``)."""
+        return self._batched
+
+    @property
+    def page_tables(self) -> torch.Tensor:
+        """``[B, L, P]`` int64: each row's page of each layer, in logical order (0, the null page, past a row's end)."""
+        return self._tables
+
+    @property
+    def row_positions(self) -> torch.Tensor:
+        """``[B, T]`` absolute positions of each row's new tokens."""
+        return self._pos
+
+    @property
+    def new_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([B, T] logical page, [B, T] offset in that page)`` of each new position."""
+        return self._slot_page, self._slot_off
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write ``key_states``/``value_states`` ``[B, n_kv, T, hd]`` of layer ``layer_idx`` into their pages;
         return the layer's gathered K and V ``[B, n_kv, S, hd]`` (see the module docstring)."""

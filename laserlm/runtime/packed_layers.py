@@ -119,8 +119,8 @@ KERNEL_BATCH_ROWS = 2  # per-layer path only (the engine runs layers through Nat
 def _paged_kernel_rows(cache) -> bool:
     """A paged window the kernel can run, one request at a time: nothing evicted (each row's K/V are its pages in
     order), at most :data:`KERNEL_BATCH_ROWS` rows."""
-    return (getattr(cache, "rows", None) is not None and not cache._holes
-            and (not cache._batched or len(cache.rows) <= KERNEL_BATCH_ROWS))
+    return (getattr(cache, "rows", None) is not None and not cache.evicted
+            and (not cache.batched or len(cache.rows) <= KERNEL_BATCH_ROWS))
 
 
 def _paged_decode_layer(ops, args, hidden, cos, sin, cache, idx):
@@ -131,17 +131,18 @@ def _paged_decode_layer(ops, args, hidden, cos, sin, cache, idx):
     pool, ps = cache.pool, cache.pool.page_size
     outs = []
     for r in range(hidden.shape[0]):
-        tab = cache._tables[r, idx]  # [P] this row's pages of the layer, in order
+        tab = cache.page_tables[r, idx]  # [P] this row's pages of the layer, in order
         shape = (1, pool.num_kv_heads, tab.numel() * ps, pool.head_dim)
         k = torch.index_select(pool.k, 1, tab).view(shape)  # a copy
         v = torch.index_select(pool.v, 1, tab).view(shape)
-        pos = cache._pos[r]  # [T] the row's new positions
+        pos = cache.row_positions[r]  # [T] the row's new positions
         c, s_ = (cos[r], sin[r]) if cos.shape[0] > 1 else (cos[0], sin[0])
         outs.append(ops.decode_layer(hidden[r:r + 1], norms, eps, mats, fmts, bias, c, s_, k, v, int(pos[0]), h,
                                      hkv, hd, scaling, window, act, inter))
-        pid = tab[cache._slot_page[r]]
-        pool.k[:, pid, cache._slot_off[r]] = k[0, :, pos]
-        pool.v[:, pid, cache._slot_off[r]] = v[0, :, pos]
+        page, off = cache.new_slots
+        pid = tab[page[r]]
+        pool.k[:, pid, off[r]] = k[0, :, pos]
+        pool.v[:, pid, off[r]] = v[0, :, pos]
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
@@ -205,7 +206,7 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
     if not (paged or isinstance(cache, CacheWindow)) or hidden.dtype != torch.float32 \
             or hidden.shape[1] > KERNEL_MAX_ROWS:
         return None, start
-    if paged and (cache._holes or cache.pool.k.dtype != torch.float32 or hidden.shape[0] != len(cache.rows)):
+    if paged and (cache.evicted or cache.pool.k.dtype != torch.float32 or hidden.shape[0] != len(cache.rows)):
         return None, start
     ctx = attn.current_context()
     if ctx is None or ctx.kernel is not None or ctx.want_probs or ctx.key_valid:
@@ -221,7 +222,7 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
         if paged:  # [B, T, hd] (rows at their own positions) or [1, T, hd] (one row)
             cos.append(c.contiguous())
             sin.append(s_.contiguous())
-            kv.append(cache._tables[:, j].contiguous())  # [B, P] each row's pages of layer j
+            kv.append(cache.page_tables[:, j].contiguous())  # [B, P] each row's pages of layer j
         else:
             cos.append(c[0])
             sin.append(s_[0])
@@ -229,7 +230,7 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
     if not ids:
         return None, start
     if paged:
-        starts = cache._pos[:, 0].tolist()
+        starts = cache.row_positions[:, 0].tolist()
         return stack.stack.run_paged(hidden, ids, cos, sin, cache.pool.k, cache.pool.v, kv, starts), j
     ks, vs = [cache.k[i] for i in range(start, j)], [cache.v[i] for i in range(start, j)]
     return stack.stack.run(hidden, ids, cos, sin, ks, vs, cache.start), j
