@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -41,16 +40,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench_batch import lscpu_model  # benchmarks/ is on sys.path when this script runs
+
 FOLLOW_UPS = ["Explain your answer in one sentence.", "Give an example from everyday life.",
               "Repeat your first answer word for word.", "Summarize our conversation in ten words."]
-
-
-def lscpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name"))
-    except Exception:  # noqa: BLE001
-        return platform.processor()
 
 
 def uptime() -> str:

@@ -206,11 +206,9 @@ def cmd_generate(args) -> int:
             out["ranges"] = monitor.report()
         print(json.dumps(out))
         return 0
-    for piece in gen:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    r = gen.result
+    from .cli_common import stream_to_stdout  # noqa: PLC0415
+
+    r = stream_to_stdout(gen)
     if r.finish_reason == "context":
         print(f"laserlm: warning: stopped at the context size ({lm.engine.max_seq_len} tokens); "
               "raise --ctx-size for longer output", file=sys.stderr)

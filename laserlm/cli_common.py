@@ -225,3 +225,15 @@ def add_batch_args(p, queue_help: str | None = None) -> None:
                    help="none, streaming[:sinks=4,window=256] or depth_lru[:budget=512,sinks=4,recent=64]")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt pages between requests")
     return g
+
+
+def stream_to_stdout(gen):
+    """Write each text piece of a :class:`~laserlm.runtime.generate.Generation` to stdout as it comes, then a
+    newline; returns its result."""
+    import sys  # noqa: PLC0415
+
+    for piece in gen:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return gen.result

@@ -113,11 +113,9 @@ def run_generate(args, prompt: str, sampling: dict) -> int:
         print(json.dumps({"model": args.model, "backend": "onnxruntime", "mode": args.mode, "text": r.text,
                           **r.stats()}))
         return 0
-    for piece in gen:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
-    r = gen.result
+    from ..cli_common import stream_to_stdout  # noqa: PLC0415
+
+    r = stream_to_stdout(gen)
     print(f"[onnxruntime: {r.prompt_tokens} prompt tokens, {r.generated_tokens} generated, TTFT "
           f"{r.ttft_s * 1000:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s, {r.mean_layers_per_token:.1f} layers/token, "
           f"finish: {r.finish_reason}]", file=sys.stderr)

@@ -86,7 +86,17 @@ def rope_tables(engine) -> dict:
     return {t: (c.clone(), s.clone()) for t, (c, s) in engine._rope_tables.items()}
 
 
-class _RopeMixin(nn.Module):
+class _LayerRange(nn.Module):
+    """Decoder layers ``start .. stop-1`` of ``engine`` with their rotary tables as buffers (the base of the graphs)."""
+
+    def __init__(self, engine, start: int, stop: int, tables: dict):
+        super().__init__()
+        a = engine.adapter
+        self.start, self.stop = start, stop
+        self.layers = nn.ModuleList(a.layers[start:stop])
+        self.layer_types = a.layer_types[start:stop]
+        self._init_rope(tables, self.layer_types)
+
     def _init_rope(self, tables: dict, types: list):
         self.types = list(dict.fromkeys(types))
         for i, t in enumerate(self.types):
@@ -98,16 +108,8 @@ class _RopeMixin(nn.Module):
                 for i, t in enumerate(self.types)}
 
 
-class GroupGraph(_RopeMixin):
+class GroupGraph(_LayerRange):
     """Decoder layers ``start .. stop-1`` of ``engine`` as one graph (see the module docstring)."""
-
-    def __init__(self, engine, start: int, stop: int, tables: dict):
-        super().__init__()
-        a = engine.adapter
-        self.start, self.stop = start, stop
-        self.layers = nn.ModuleList(a.layers[start:stop])
-        self.layer_types = a.layer_types[start:stop]
-        self._init_rope(tables, self.layer_types)
 
     def forward(self, hidden, positions, *past):
         rope = self._rope(positions)
@@ -122,16 +124,8 @@ class GroupGraph(_RopeMixin):
         return tuple(out)
 
 
-class BridgeGraph(_RopeMixin):
+class BridgeGraph(_LayerRange):
     """The propagate bridge's K/V for layers ``start .. stop-1`` from one hidden state (see the module docstring)."""
-
-    def __init__(self, engine, start: int, stop: int, tables: dict):
-        super().__init__()
-        a = engine.adapter
-        self.start, self.stop = start, stop
-        self.layers = nn.ModuleList(a.layers[start:stop])
-        self.layer_types = a.layer_types[start:stop]
-        self._init_rope(tables, self.layer_types)
 
     def forward(self, hidden, positions):
         from ..depth.bridge import project_kv  # noqa: PLC0415
