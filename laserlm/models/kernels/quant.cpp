@@ -300,7 +300,13 @@ inline void dot_rows_any(const uint8_t* row, const int16_t* xq, int64_t xstride,
   else if (rest == 1) dot_rows<FMT, 1>(row, q, xstride, d, s, nb, o, ostride);
 }
 
-// y [T, N] (row stride ldy) = x [T, K] @ W.T, W = N rows of blocks
+// y [T, N] (row stride ldy) = x [T, K] @ W.T, W = N rows of blocks.
+// Tiled for many activation rows (prefill chunks, batches of B rows, draft verification): each thread takes a tile
+// of weight rows sized to stay in L2 (TILE_BYTES) and runs every group of ROW_GROUP activation rows over it, so one
+// group's int16 rows stay in L1 across the tile. Without tiles, 16 rows of a K = 1536 input (48 KiB) spilled
+// from L1 on every weight row and the 16-row step cost 2.5x the 8-row one. With T <= ROW_GROUP this is the plain
+// streaming loop (one pass, software prefetch).
+constexpr int64_t TILE_BYTES = 96 * 1024;
 void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t fmt, float* y,
                    int64_t ldy) {
   const int64_t nb = K / QK, rb = nb * block_bytes(fmt), nbs = round8(nb), qstride = nb_even(nb) * QK;
@@ -308,15 +314,25 @@ void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
   std::vector<float> xd(T * nbs), xs(T * nbs);
   quantize_rows_q16(x, T, K, fmt == Q4_1, xq.data(), qstride, xd.data(), xs.data());
   const int64_t grain = std::max<int64_t>(16, 2048 / std::max<int64_t>(nb, 1));
+  const int64_t tile = std::max<int64_t>(8, TILE_BYTES / std::max<int64_t>(rb, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w + n * rb;
-      if (n + PF_ROWS < n1) {  // software prefetch: the hardware prefetcher alone left the loop at ~half bandwidth
-        const uint8_t* next = row + PF_ROWS * rb;
-        for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
+      const int64_t t1 = std::min(n1, t0 + tile);
+      for (int64_t g = 0; g < T; g += ROW_GROUP) {
+        const int64_t rows = std::min<int64_t>(ROW_GROUP, T - g);
+        const int16_t* q = xq.data() + g * qstride;
+        const float *d = xd.data() + g * nbs, *s = xs.data() + g * nbs;
+        for (int64_t n = t0; n < t1; ++n) {
+          const uint8_t* row = w + n * rb;
+          // software prefetch on the first pass (the hardware prefetcher alone left the loop at ~half bandwidth)
+          if (g == 0 && n + PF_ROWS < n1) {
+            const uint8_t* next = row + PF_ROWS * rb;
+            for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+          }
+          if (fmt == Q4_1) dot_rows_any<Q4_1>(row, q, qstride, d, s, nb, rows, y + g * ldy + n, ldy);
+          else dot_rows_any<Q8_0>(row, q, qstride, d, s, nb, rows, y + g * ldy + n, ldy);
+        }
       }
-      if (fmt == Q4_1) dot_rows_any<Q4_1>(row, xq.data(), qstride, xd.data(), xs.data(), nb, T, y + n, ldy);
-      else dot_rows_any<Q8_0>(row, xq.data(), qstride, xd.data(), xs.data(), nb, T, y + n, ldy);
     }
   });
 }
@@ -820,7 +836,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "float32 rows of a block matrix");
   m.def("decode_layer", &decode_layer, "one decoder layer over block matrices");
   m.def("has_avx2", &has_avx2, "built with AVX2 + FMA + F16C");
-  pybind11::class_<LayerStack>(m, "LayerStack")
+  pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())
       .def(pybind11::init<>())
       .def("add", &LayerStack::add)
       .def("size", &LayerStack::size)
