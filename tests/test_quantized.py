@@ -13,6 +13,7 @@ import laserlm
 from laserlm.errors import InvalidArgumentError, UnsupportedArchitectureError
 from laserlm.models import kernels, quant
 from laserlm.models.packing import pack_model
+from laserlm.runtime import packed_layers
 from laserlm.runtime.engine import Engine
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -201,6 +202,45 @@ def test_layer_stack_equals_one_call_per_layer(smol_native):
         eng._stack.stack.run(torch.zeros(1, 1, 576), [10_000], [torch.zeros(1, 64)], [torch.zeros(1, 64)],
                              [torch.zeros(1, 3, 8, 64)], [torch.zeros(1, 3, 8, 64)], 0)
     assert isinstance(ops.LayerStack(), ops.LayerStack)
+
+
+def test_stack_runs_around_a_layer_whose_attention_probabilities_are_wanted(smol_native, monkeypatch):
+    """Adaptive depth's ATS layer wants its attention probabilities, which the kernel does not return: that layer
+    alone takes the PyTorch path and the layers around it stay in stack runs (before, the whole step fell back to one
+    kernel call per layer). The result equals the per-layer path exactly, and the probabilities are recorded."""
+    eng = smol_native.engine
+    ids = torch.tensor([[1, 415, 3575, 282, 4649, 314]])
+    calls = []
+
+    def run(stack_on: bool):
+        eng.reset()
+        saved = eng._stack
+        if not stack_on:
+            eng._stack = False
+        try:
+            with torch.inference_mode():
+                eng.forward(ids)
+                h, st = eng.begin(torch.tensor([[28]]))
+                st.ctx.want_probs = frozenset({9})
+                out = eng.run_layers(0, eng.num_layers, h, st)
+                eng.commit(st)
+            return out, st.ctx.probs[9]
+        finally:
+            eng._stack = saved
+
+    assert eng._native_stack() is not None
+    real = packed_layers.native_stack_run
+
+    def spy(stack, layers, start, stop, *args, **kw):
+        out, j = real(stack, layers, start, stop, *args, **kw)
+        calls.append((start, j))
+        return out, j
+
+    monkeypatch.setattr(packed_layers, "native_stack_run", spy)
+    (a, pa), (b, pb) = run(True), run(False)
+    assert (0, 9) in calls and (10, 30) in calls  # two stack runs around layer 9
+    assert torch.equal(a, b) and torch.equal(pa, pb)
+    assert pa.shape[-1] == ids.shape[1] + 1 and torch.allclose(pa.sum(-1), torch.ones(()))
 
 
 def _windows(smol, n_windows=6, length=256):

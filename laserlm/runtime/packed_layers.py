@@ -197,8 +197,8 @@ class NativeStack:
 def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: torch.Tensor, rope: dict,
                      types, cache, eligible) -> tuple[torch.Tensor | None, int]:
     """Run layers ``start .. j-1`` in one kernel call, for the longest ``j <= stop`` such that every layer in between
-    is ``eligible(i)`` (packed, no hooks) and the kernel can take it, with no attention hook active (no block-sparse
-    kernel, no attention probabilities or key masks wanted), on the engine's contiguous cache or on a paged window
+    is ``eligible(i)`` (packed, no hooks), needs no attention probabilities or key mask and the kernel can take it,
+    with no block-sparse attention kernel active, on the engine's contiguous cache or on a paged window
     of the KV pool with nothing evicted (any number of rows, each at its own position: the weights are read once for
     all rows). Returns ``(hidden, j)``; ``(None, start)`` when not even layer ``start`` qualifies.
     ``hidden [B, T, d]`` float32."""
@@ -209,11 +209,13 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
     if paged and (cache.evicted or cache.pool.k.dtype != torch.float32 or hidden.shape[0] != len(cache.rows)):
         return None, start
     ctx = attn.current_context()
-    if ctx is None or ctx.kernel is not None or ctx.want_probs or ctx.key_valid:
+    if ctx is None or ctx.kernel is not None:
         return None, start
     ids, cos, sin, kv = [], [], [], []
     j = start
-    while j < stop and eligible(j):
+    # a layer whose attention probabilities are wanted (the ATS layer of adaptive depth) or whose keys are masked
+    # ends the run: it takes the PyTorch path, the layers after it start the next run
+    while j < stop and eligible(j) and j not in ctx.want_probs and ctx.key_valid.get(j) is None:
         sid = stack.id_of(layers[j])
         if sid is None or (not paged and cache.k[j].dtype != torch.float32):
             break
