@@ -172,6 +172,9 @@ def _native_layer(layer, hidden, cos, sin, cache):
                             cache.start, h, hkv, hd, scaling, window, act, inter)
 
 
+_NO_PROBS = torch.empty(0)
+
+
 class NativeStack:
     """An engine's native layers registered once in the kernel's ``LayerStack``, so that a run of consecutive
     layers is one compiled call (a 30-layer decode step crosses from Python into the kernel once, not 30 times).
@@ -182,6 +185,7 @@ class NativeStack:
         self.ops = ops
         self.stack = ops.LayerStack()
         self.ids: dict[int, int | None] = {}
+        self.heads: dict[int, int] = {}  # layer index -> query heads (the shape of its attention probabilities)
 
     def id_of(self, layer) -> int | None:
         """The stack id of ``layer`` (registered on first use), or ``None`` when the kernel cannot take it."""
@@ -191,16 +195,19 @@ class NativeStack:
             args = _native_args(layer)
             sid = None if args is None else self.stack.add(*args)
             self.ids[idx] = sid
+            if args is not None:
+                self.heads[idx] = args[5]
         return sid
 
 
 def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: torch.Tensor, rope: dict,
                      types, cache, eligible) -> tuple[torch.Tensor | None, int]:
     """Run layers ``start .. j-1`` in one kernel call, for the longest ``j <= stop`` such that every layer in between
-    is ``eligible(i)`` (packed, no hooks), needs no attention probabilities or key mask and the kernel can take it,
-    with no block-sparse attention kernel active, on the engine's contiguous cache or on a paged window
-    of the KV pool with nothing evicted (any number of rows, each at its own position: the weights are read once for
-    all rows). Returns ``(hidden, j)``; ``(None, start)`` when not even layer ``start`` qualifies.
+    is ``eligible(i)`` (packed, no hooks), has no key mask and the kernel can take it, with no block-sparse
+    attention kernel active, on the engine's contiguous cache (a layer in ``ctx.want_probs`` gets its attention
+    probabilities from the kernel) or on a paged window of the KV pool with nothing evicted and no probabilities
+    wanted (any number of rows, each at its own position: the weights are read once for all rows). Returns
+    ``(hidden, j)``; ``(None, start)`` when not even layer ``start`` qualifies.
     ``hidden [B, T, d]`` float32."""
     paged = getattr(cache, "rows", None) is not None
     if not (paged or isinstance(cache, CacheWindow)) or hidden.dtype != torch.float32 \
@@ -213,9 +220,11 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
         return None, start
     ids, cos, sin, kv = [], [], [], []
     j = start
-    # a layer whose attention probabilities are wanted (the ATS layer of adaptive depth) or whose keys are masked
-    # ends the run: it takes the PyTorch path, the layers after it start the next run
-    while j < stop and eligible(j) and j not in ctx.want_probs and ctx.key_valid.get(j) is None:
+    probs = []
+    # a layer whose keys are masked (the none bridge) ends the run: it takes the PyTorch path, the layers after it
+    # start the next run; so does a layer whose attention probabilities are wanted (adaptive depth's ATS layer) on
+    # the paged pool. On the contiguous cache the kernel writes them into ctx.probs ([B, H, T, end], float32).
+    while j < stop and eligible(j) and ctx.key_valid.get(j) is None and not (paged and j in ctx.want_probs):
         sid = stack.id_of(layers[j])
         if sid is None or (not paged and cache.k[j].dtype != torch.float32):
             break
@@ -228,6 +237,11 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
         else:
             cos.append(c[0])
             sin.append(s_[0])
+            if j in ctx.want_probs:
+                ctx.probs[j] = torch.zeros(hidden.shape[0], stack.heads[j], hidden.shape[1], cache.end)
+                probs.append(ctx.probs[j])
+            else:
+                probs.append(_NO_PROBS)
         j += 1
     if not ids:
         return None, start
@@ -235,7 +249,7 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
         starts = cache.row_positions[:, 0].tolist()
         return stack.stack.run_paged(hidden, ids, cos, sin, cache.pool.k, cache.pool.v, kv, starts), j
     ks, vs = [cache.k[i] for i in range(start, j)], [cache.v[i] for i in range(start, j)]
-    return stack.stack.run(hidden, ids, cos, sin, ks, vs, cache.start), j
+    return stack.stack.run(hidden, ids, cos, sin, ks, vs, cache.start, probs), j
 
 
 def packed_layer(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,

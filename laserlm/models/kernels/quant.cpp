@@ -525,8 +525,9 @@ inline void pv_run(const float* sc, const float* v0, int64_t j0, int64_t j1, int
 // o [hd] = softmax(scale * q . K[lo..hi]) @ V[lo..hi] for one query row (keys lo..hi inclusive); sc scratch of at
 // least hi + 1 floats. Scores four keys at a time, exponentials eight at a time, the weighted sum of V with 64
 // output floats in registers; runs of contiguous keys (the whole range, or one page at a time).
+// p_out (optional): the normalized probabilities of positions lo .. hi are written at p_out[lo .. hi]
 void attend_row(const float* q, const KVRows& kv, int64_t lo, int64_t hi, int64_t hd, float scale, float* sc,
-                float* o) {
+                float* o, float* p_out = nullptr) {
   for (int64_t j0 = lo; j0 <= hi;) {
     const int64_t j1 = kv.run_end(j0, hi + 1);
     scores_run(q, kv.k + kv.offset(j0, hd), j0, j1, hd, scale, sc);
@@ -557,6 +558,8 @@ void attend_row(const float* q, const KVRows& kv, int64_t lo, int64_t hi, int64_
     j0 = j1;
   }
   for (int64_t e = 0; e < hd; ++e) o[e] *= inv;
+  if (p_out != nullptr)
+    for (int64_t jj = lo; jj <= hi; ++jj) p_out[jj] = sc[jj] * inv;
 }
 
 // gate activation times up, in place over inter values: out = act(g) * u (act 0 = SiLU, 1 = GELU tanh approx.)
@@ -643,8 +646,10 @@ KVTarget contiguous_kv(const torch::Tensor& k_cache, const torch::Tensor& v_cach
 
 // h [B, T, d] float32, in place: one layer, K/V of the new positions written to `kv`.
 // cos, sin: [T, hd] (every row at the same positions) or [B, T, hd] (each row at its own).
+// probs (optional): float32 [B, H, T, probs_S], zero-filled by the caller; row (b, head, t) receives the attention
+// probabilities of its positions (what the PyTorch path keeps for adaptive depth's ATS), probs_S >= start + T.
 void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d, const torch::Tensor& cos,
-                   const torch::Tensor& sin, const KVTarget& kv) {
+                   const torch::Tensor& sin, const KVTarget& kv, float* probs = nullptr, int64_t probs_S = 0) {
   TORCH_CHECK(cos.dtype() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous() &&
               sin.numel() == cos.numel() && (cos.numel() == T * L.hd || cos.numel() == B * T * L.hd),
               "cos / sin must be contiguous float32 [T, hd] or [B, T, hd]");
@@ -720,7 +725,8 @@ void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d
         rows.ps = kv.ps;
       }
       attend_row(qkv.data() + (b * T + t) * nqkv + head * hd, rows, lo, pos, hd, fscale, sc.data(),
-                 att.data() + (b * T + t) * qn + head * hd);
+                 att.data() + (b * T + t) * qn + head * hd,
+                 probs != nullptr ? probs + ((b * n_heads + head) * T + t) * probs_S : nullptr);
     }
   });
   matmul_blocks(att.data(), R, qn, mats[1].data_ptr<uint8_t>(), d, fmts[1], tmp.data(), d);
@@ -771,20 +777,31 @@ class LayerStack {
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
   // hidden [B, T, d] -> [B, T, d] through the registered layers `ids` in order; cos[i], sin[i] [T, hd] and
-  // k[i], v[i] [B, Hkv, S, hd] belong to ids[i]; K/V are written at positions [start, start + T).
+  // k[i], v[i] [B, Hkv, S, hd] belong to ids[i]; K/V are written at positions [start, start + T). probs[i]: an
+  // empty tensor, or a zero-filled float32 [B, H, T, S'] (S' >= start + T) that receives layer ids[i]'s attention
+  // probabilities.
   torch::Tensor run(torch::Tensor hidden, std::vector<int64_t> ids, std::vector<torch::Tensor> cos,
                     std::vector<torch::Tensor> sin, std::vector<torch::Tensor> k, std::vector<torch::Tensor> v,
-                    int64_t start) const {
+                    int64_t start, std::vector<torch::Tensor> probs) const {
     const size_t n = ids.size();
-    TORCH_CHECK(cos.size() == n && sin.size() == n && k.size() == n && v.size() == n,
-                "one cos, sin, K and V tensor per layer expected");
+    TORCH_CHECK(cos.size() == n && sin.size() == n && k.size() == n && v.size() == n && probs.size() == n,
+                "one cos, sin, K, V and probs tensor per layer expected");
     auto out = checked_hidden(hidden);
     float* h = out.data_ptr<float>();
+    const int64_t B = out.size(0), T = out.size(1);
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(ids[i] >= 0 && ids[i] < size(), "layer id ", ids[i], " not registered");
       const LayerSpec& L = layers_[ids[i]];
-      layer_forward(L, h, out.size(0), out.size(1), out.size(2), cos[i], sin[i],
-                    contiguous_kv(k[i], v[i], out.size(0), L.n_kv, L.hd, start, out.size(1)));
+      float* pp = nullptr;
+      if (probs[i].numel()) {
+        const auto& p = probs[i];
+        TORCH_CHECK(p.dtype() == torch::kFloat32 && p.is_contiguous() && p.dim() == 4 && p.size(0) == B &&
+                    p.size(1) == L.n_heads && p.size(2) == T && p.size(3) >= start + T,
+                    "probs must be contiguous float32 [B, H, T, >= start + T]");
+        pp = p.data_ptr<float>();
+      }
+      layer_forward(L, h, B, T, out.size(2), cos[i], sin[i], contiguous_kv(k[i], v[i], B, L.n_kv, L.hd, start, T), pp,
+                    pp != nullptr ? probs[i].size(3) : 0);
     }
     return out;
   }
