@@ -5,10 +5,21 @@ ending the run at that layer). Checks that all variants emit the same tokens.
 
     PYTHONPATH=. python benchmarks/ab_adaptive_overhead.py --laser FILE.safetensors
 """
-import argparse, subprocess, sys, tempfile, time, importlib.util, os, torch
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
 import laserlm
 from laserlm.depth import scheduler
-from laserlm.runtime import packed_layers, attention as attn
+from laserlm.runtime import attention as attn
+from laserlm.runtime import packed_layers
+
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--laser", required=True)
 ap.add_argument("--tokens", type=int, default=96)
@@ -18,7 +29,10 @@ old_src = subprocess.run(["git", "show", "2b688bd:laserlm/depth/walk.py"], captu
 old_path = os.path.join(tempfile.mkdtemp(), "walk_old.py")
 with open(old_path, "w") as f:
     f.write(old_src.replace("from .policies import BatchPoint", "from laserlm.depth.policies import BatchPoint"))
-spec_ = importlib.util.spec_from_file_location("walk_old", old_path); wo = importlib.util.module_from_spec(spec_); sys.modules["walk_old"] = wo; spec_.loader.exec_module(wo)
+spec_ = importlib.util.spec_from_file_location("walk_old", old_path)
+wo = importlib.util.module_from_spec(spec_)
+sys.modules["walk_old"] = wo  # dataclasses look their module up there
+spec_.loader.exec_module(wo)
 new_walk = scheduler.walk_groups
 real_run = packed_layers.native_stack_run
 def split_run(stack, layers, start, stop, hidden, rope, types, cache, eligible):
@@ -44,7 +58,7 @@ for rep in range(5):
         t0 = time.perf_counter()
         r = lm.generate(prompt, max_new_tokens=args.tokens, mode="full" if v is None else spec, ignore_eos=True)
         res[name].append((time.perf_counter() - t0) / args.tokens * 1e3)
-        toks[name] = r.token_ids if hasattr(r, "token_ids") else str(r)
+        toks[name] = r.token_ids
         scheduler.walk_groups, packed_layers.native_stack_run = new_walk, real_run
 for k, v in res.items():
     print(f"{k:28s} median {sorted(v)[2]:.2f} ms/token  all {[round(x, 2) for x in v]}")

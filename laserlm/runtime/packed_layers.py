@@ -185,7 +185,6 @@ class NativeStack:
         self.ops = ops
         self.stack = ops.LayerStack()
         self.ids: dict[int, int | None] = {}
-        self.heads: dict[int, int] = {}  # layer index -> query heads (the shape of its attention probabilities)
 
     def id_of(self, layer) -> int | None:
         """The stack id of ``layer`` (registered on first use), or ``None`` when the kernel cannot take it."""
@@ -195,8 +194,6 @@ class NativeStack:
             args = _native_args(layer)
             sid = None if args is None else self.stack.add(*args)
             self.ids[idx] = sid
-            if args is not None:
-                self.heads[idx] = args[5]
         return sid
 
 
@@ -238,7 +235,8 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
             cos.append(c[0])
             sin.append(s_[0])
             if j in ctx.want_probs:
-                ctx.probs[j] = torch.zeros(hidden.shape[0], stack.heads[j], hidden.shape[1], cache.end)
+                heads = _native_args(layers[j])[5]  # cached on the layer; registered, so not None
+                ctx.probs[j] = torch.zeros(hidden.shape[0], heads, hidden.shape[1], cache.end)
                 probs.append(ctx.probs[j])
             else:
                 probs.append(_NO_PROBS)
