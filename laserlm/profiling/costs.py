@@ -11,11 +11,15 @@ from ..errors import InvalidArgumentError
 
 
 def static_pruning(t1, dropped: list[int]) -> dict:
-    """Static pruning (ShortGPT): the ``dropped`` layers never run; the rest of the step is unchanged.
+    """Static pruning (ShortGPT): the ``dropped`` layers never run; the rest of the step is unchanged, except
+    that the kept layers run as one run per block of consecutive kept layers (one ``call_s`` each).
 
     Returns ``{"step_s", "speedup", "layers"}``.
     """
-    step = t1.total_s - sum(t1.layer_s[i] for i in dropped)
+    gone = set(dropped)
+    kept = [i for i in range(len(t1.layer_s)) if i not in gone]
+    runs = sum(1 for n, i in enumerate(kept) if n == 0 or kept[n - 1] != i - 1)
+    step = t1.begin_s + sum(t1.layer_s[i] for i in kept) + runs * t1.call_s + t1.head_s
     return {"step_s": step, "speedup": t1.total_s / step, "layers": len(t1.layer_s) - len(dropped)}
 
 
@@ -49,12 +53,13 @@ def break_even_exit_rate(t1, exit_layer: int, checks: int, check_s: float, kv_sh
 def adaptive_step(t1, layers_per_token: float, checks_per_token: float, check_s: float, kv_share: float) -> float:
     """Predicted seconds of an adaptive-depth decode step (propagate bridge): begin + the layers run
     (``layers_per_token`` on average; layer time interpolated by the mean layer time past the exit) + the K/V
-    projections of the skipped layers + ``checks_per_token`` checks of ``check_s`` + one exit head."""
+    projections of the skipped layers + ``checks_per_token`` checks of ``check_s`` (each check ends a run of
+    layers, so each also pays one more ``call_s``) + one exit head."""
     L = len(t1.layer_s)
     mean_layer = sum(t1.layer_s) / L
     skipped = L - layers_per_token
     return (t1.begin_s + sum(t1.layer_s) - skipped * mean_layer * (1.0 - kv_share)
-            + checks_per_token * check_s + t1.head_s)
+            + checks_per_token * (check_s + t1.call_s) + t1.call_s + t1.head_s)
 
 
 def expected_accepted(alpha: float, k: int) -> float:
@@ -70,8 +75,8 @@ def speculative_cycle_s(t1, tk, draft_layers: int) -> float:
     shallow steps (begin + layers ``0..N-1`` + exit head) and one verify of ``k + 1`` tokens through layers
     ``N..L-1`` + head (``tk``: times of a ``k + 1``-token forward)."""
     k = tk.tokens - 1
-    draft = t1.begin_s + t1.layers_s(0, draft_layers) + t1.head_s
-    verify = tk.begin_s + tk.layers_s(draft_layers, len(tk.layer_s)) + tk.head_s
+    draft = t1.begin_s + t1.layers_s(0, draft_layers) + t1.call_s + t1.head_s
+    verify = tk.begin_s + tk.layers_s(draft_layers, len(tk.layer_s)) + tk.call_s + tk.head_s
     return k * draft + verify
 
 

@@ -24,7 +24,8 @@ def markdown(doc: dict) -> str:
         out.append(f"| {i} | {ly['time_s'][i] * 1e3:.3f} | {ly['raw_agreement'][i]:.3f} | {ly['lens_agreement'][i]:.3f} | "
                    f"{ly['block_influence'][i]:.4f} | {_f(sa.get('agreement'))} | {_f(sa.get('nll_increase'))} | "
                    f"{_f(sm.get('agreement'))} | {_f(sm.get('nll_increase'))} |")
-    out += ["", f"Step: begin {t['begin_s'] * 1e3:.2f} ms + layers {sum(ly['time_s']) * 1e3:.2f} ms + head "
+    out += ["", f"Step: begin {t['begin_s'] * 1e3:.2f} ms + layers {sum(ly['time_s']) * 1e3:.2f} ms + entering a run of "
+            f"layers {t.get('call_s', 0.0) * 1e3:.2f} ms + head "
             f"{t['head_s'] * 1e3:.2f} ms = {t['step_s'] * 1e3:.2f} ms ({t['predicted_tokens_per_s']:.1f} tok/s predicted); "
             f"state-gate check {t['state_gate_s'] * 1e6:.0f} us, head check {t['head_check_s'] * 1e3:.2f} ms; "
             f"verify of {t['verify_tokens']} tokens {t['verify_step_s'] * 1e3:.2f} ms.", ""]

@@ -215,7 +215,8 @@ def profile(lm, ids: torch.Tensor, long_ids: torch.Tensor | None = None, *, drop
     return {
         "num_layers": L, "calibration_tokens": int(ids.shape[0]), "threads": torch.get_num_threads(),
         "weights": eng.weights, "dtype": str(eng.dtype).replace("torch.", ""), "seconds": time.perf_counter() - t_start,
-        "timing": {"context": context, "begin_s": t1.begin_s, "head_s": t1.head_s, "step_s": t1.total_s,
+        "timing": {"context": context, "begin_s": t1.begin_s, "head_s": t1.head_s, "call_s": t1.call_s,
+                   "step_s": t1.total_s,
                    "predicted_tokens_per_s": 1.0 / t1.total_s, "verify_tokens": k + 1, "verify_step_s": tk.total_s,
                    "state_gate_s": gate_s, "head_check_s": head_check_s, "parameter_shares": shares},
         "layers": {"time_s": t1.layer_s, "verify_time_s": tk.layer_s, "raw_agreement": q.raw_agreement,

@@ -2,7 +2,10 @@
 
 One decode step is split into its parts, each timed with ``time.perf_counter`` around the engine's own
 primitives (the same code path a full-depth decode runs): ``begin`` (embedding + rotary + cache window),
-each decoder layer (``Engine.run_layer``), and the exit head (final norm + LM head, ``Engine.head``).
+each decoder layer (``Engine.run_layer``), and the exit head (final norm + LM head, ``Engine.head``). On the
+native CPU stack a run of layers is one kernel call (``Engine.run_layers``), so timing the layers one by one also
+pays a per-call cost once per layer; the step is therefore also timed as one run of all layers, and the
+difference gives that per-call cost (``call_s``), which is taken out of every layer's time.
 The step writes one position after ``context`` prompt tokens and is never committed, so every repetition
 sees the same cache. Times are medians over repetitions (seconds); ``tokens > 1`` times a forward of that
 many new tokens (a speculative verify of ``k + 1`` tokens).
@@ -28,6 +31,9 @@ class StepTimes:
         layer_s: ``[L]`` seconds per decoder layer.
         head_s: final norm + LM head over the ``tokens`` positions.
         tokens, context: the forward's shape.
+        call_s: seconds of entering one run of consecutive layers (one ``Engine.run_layers`` call), paid once
+            per run on top of its layers' ``layer_s``: ``(sum of the one-by-one layer times - one run of all
+            layers) / (L - 1)``, at least 0. Near 0 on the PyTorch path; on the native stack, the kernel call.
     """
 
     begin_s: float
@@ -35,11 +41,12 @@ class StepTimes:
     head_s: float
     tokens: int
     context: int
+    call_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """Predicted seconds of one full-depth forward: begin + every layer + head."""
-        return self.begin_s + sum(self.layer_s) + self.head_s
+        """Predicted seconds of one full-depth forward: begin + one run of every layer + head."""
+        return self.begin_s + sum(self.layer_s) + self.call_s + self.head_s
 
     def layers_s(self, start: int, stop: int) -> float:
         """Seconds of decoder layers ``start .. stop-1``."""
@@ -71,7 +78,7 @@ def time_step(engine, context: int = 64, tokens: int = 1, reps: int = 10, warmup
     cache = engine.new_cache(context + tokens)
     engine.forward(prompt, cache=cache, start=0)
     L = engine.num_layers
-    begins, heads, layers = [], [], [[] for _ in range(L)]
+    begins, heads, runs, layers = [], [], [], [[] for _ in range(L)]
     clock = time.perf_counter
     for r in range(warmup + reps):
         t0 = clock()
@@ -85,13 +92,21 @@ def time_step(engine, context: int = 64, tokens: int = 1, reps: int = 10, warmup
         a = clock()
         engine.head(h[:, -tokens:])
         t_head = clock() - a
+        h, st = engine.begin(new, start=context, cache=cache)  # the same step again, as one run of all layers
+        a = clock()
+        engine.run_layers(0, L, h, st)
+        t_run = clock() - a
         if r >= warmup:
             begins.append(t1 - t0)
             heads.append(t_head)
+            runs.append(t_run)
             for i, x in enumerate(lt):
                 layers[i].append(x)
     med = statistics.median
-    return StepTimes(med(begins), [med(x) for x in layers], med(heads), tokens, context)
+    layer_s = [med(x) for x in layers]
+    call_s = max(0.0, (sum(layer_s) - med(runs)) / (L - 1)) if L > 1 else 0.0
+    layer_s = [max(0.0, x - call_s) for x in layer_s]
+    return StepTimes(med(begins), layer_s, med(heads), tokens, context, call_s)
 
 
 @torch.inference_mode()
