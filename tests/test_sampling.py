@@ -155,6 +155,29 @@ def test_non_finite_logits_are_a_clear_error(bad):
     assert sample(masked, SamplingParams(temperature=0)).tolist() == [0]
 
 
+def test_one_bad_value_in_a_large_vocabulary_is_found():
+    """The check's passing path is one max per row (vectorized): a single NaN / +inf anywhere in a row of a real
+    vocabulary size, in float32 and bfloat16, or one all--inf row among good ones, must still be caught."""
+    from laserlm.errors import NonFiniteLogitsError
+    from laserlm.runtime.sampling import check_finite
+
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 262144):
+        for dtype in (torch.float32, torch.bfloat16):
+            good = torch.randn(3, vocab, generator=g).to(dtype)
+            good[0, 5] = float("-inf")
+            assert check_finite(good) is good
+            for bad, where in ((float("nan"), 0), (float("nan"), vocab - 1), (float("inf"), vocab // 2 + 3)):
+                x = good.clone()
+                x[1, where] = bad
+                with pytest.raises(NonFiniteLogitsError):
+                    check_finite(x)
+            x = good.clone()
+            x[2] = float("-inf")
+            with pytest.raises(NonFiniteLogitsError, match="non-finite logits"):
+                check_finite(x)
+
+
 def test_generation_loop_stops_on_nan_logits(smol, monkeypatch, capsys):
     """The full-depth loop raises (instead of emitting token id 0 with finish_reason="length") when the
     engine's logits turn NaN mid-generation; the CLI prints one line and exits 2."""
