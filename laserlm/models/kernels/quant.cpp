@@ -105,6 +105,18 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(r);
 }
 
+// acc + madd_epi16(a, b): one VNNI instruction (vpdpwssd) where the CPU has it (AVX512-VNNI with VL, or AVX-VNNI),
+// else a multiply-add and an add; the same int32 sums either way (no saturation in either form).
+inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 inline __m256 keep_mask(int cnt) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
 }
@@ -150,10 +162,8 @@ inline void dot_rows_q4_1(const uint8_t* row, const int16_t* xq, int64_t xstride
 #pragma GCC unroll 4
       for (int i = 0; i < TN; ++i) {
         const __m256i* xp = reinterpret_cast<const __m256i*>(xq + i * xstride + (b0 / 2 + q) * 64);
-        const __m256i s0 = _mm256_add_epi32(_mm256_madd_epi16(wa, _mm256_loadu_si256(xp)),
-                                            _mm256_madd_epi16(wb, _mm256_loadu_si256(xp + 1)));
-        const __m256i s1 = _mm256_add_epi32(_mm256_madd_epi16(wc, _mm256_loadu_si256(xp + 2)),
-                                            _mm256_madd_epi16(wd, _mm256_loadu_si256(xp + 3)));
+        const __m256i s0 = madd_add(_mm256_madd_epi16(wa, _mm256_loadu_si256(xp)), wb, _mm256_loadu_si256(xp + 1));
+        const __m256i s1 = madd_add(_mm256_madd_epi16(wc, _mm256_loadu_si256(xp + 2)), wd, _mm256_loadu_si256(xp + 3));
         p[i] = _mm256_add_epi32(s0, s1);  // lanes 0-3: block b0 + 2q, lanes 4-7: block b0 + 2q + 1
       }
     };
@@ -200,8 +210,7 @@ inline void dot_rows_q8_0(const uint8_t* row, const int16_t* xq, int64_t xstride
 #pragma GCC unroll 4
       for (int i = 0; i < TN; ++i) {
         const __m256i* xp = reinterpret_cast<const __m256i*>(xq + i * xstride + (b0 + j) * QK);
-        p[i] = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(xp)),
-                                _mm256_madd_epi16(w1, _mm256_loadu_si256(xp + 1)));
+        p[i] = madd_add(_mm256_madd_epi16(w0, _mm256_loadu_si256(xp)), w1, _mm256_loadu_si256(xp + 1));
       }
     };
     __m256i pa[TN], pb[TN], t[TN], hl[TN];
