@@ -20,6 +20,11 @@ for t in 1 2; do
     --json "$OUT/smollm2_t$t.json" | tee "$OUT/smollm2_t$t.md"
   $LM bench -m gemma3-270m -t $t --weights native,int4,fp32 --tests pp,tg -r 3 --no-progress \
     --json "$OUT/gemma3_t$t.json" | tee "$OUT/gemma3_t$t.md"
+  # the prefill dtype side by side (the rows above use the default, auto: bfloat16 on a CPU with AMX-BF16)
+  for m in smollm2-135m gemma3-270m; do
+    $LM bench -m $m -t $t --weights native --prefill-dtype float32 --tests pp -r 3 --no-hf --no-llamacpp --no-progress \
+      --json "$OUT/${m%%-*}_t${t}_prefill_fp32.json" | tee "$OUT/${m%%-*}_t${t}_prefill_fp32.md"
+  done
 done
 $PY benchmarks/bench_step_tokens.py --model smollm2-135m --weights native,int8,fp32 --threads 1 | tee "$OUT/step_tokens.md"
 $PY benchmarks/bench_step_tokens.py --model gemma3-270m --weights native --threads 1 | tee -a "$OUT/step_tokens.md"

@@ -70,7 +70,9 @@ class LaserLM:
         if rep is None:
             return f"weights {self.weights}, activations {dtype}"
         fmts = ", ".join(f"{k} x{v}" for k, v in sorted(rep.formats.items()))
-        return f"weights {self.weights} ({fmts}; {rep.nbytes / 2**20:.1f} MiB), activations {dtype}"
+        prefill = str(self.loaded.prefill_dtype).replace("torch.", "")
+        return (f"weights {self.weights} ({fmts}; {rep.nbytes / 2**20:.1f} MiB), activations {dtype}, prefill "
+                f"matmuls {prefill}")
 
     def resolve_spec(self, config: str, progress: bool = True) -> str:
         """The spec that runs for ``config`` (``MODE_SPEC[@ATTENTION]``): unchanged, except that a spec naming no
@@ -237,13 +239,15 @@ class _Replay:
 
 
 def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,
-         attention=None, weights: str = "auto", **attention_options) -> LaserLM:
+         attention=None, weights: str = "auto", prefill_dtype: str = "auto", **attention_options) -> LaserLM:
     """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id.
 
     ``weights``: ``"auto"`` (default: ``native`` for a GGUF file when ``dtype`` is not given, else dense
     float weights in ``dtype``), ``"fp32"`` (the exact reference, logits equal to transformers'),
     ``"bf16"``, ``"int8"``, ``"int4"`` or ``"native"`` (see :mod:`laserlm.models.quant`). ``dtype``:
-    ``"float32"`` (default) or ``"bfloat16"`` activations.
+    ``"float32"`` (default) or ``"bfloat16"`` activations. ``prefill_dtype``: ``"auto"`` (default: bfloat16 on a
+    CPU with AMX-BF16, else float32), ``"float32"`` or ``"bfloat16"``: the dtype in which quantized weights multiply
+    more than 16 rows at once (prefill, large batches; :func:`laserlm.models.quant.resolve_prefill_dtype`).
 
     ``attention``: ``None``/``"dense"`` or ``"sparse[:key=value,...]"``; ``attention_options`` (e.g.
     ``threshold=0.5, block_size=64, dense_layers=2``) configure block-sparse attention
@@ -256,5 +260,5 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
         InvalidArgumentError (bad dtype or attention options).
     """
-    return LaserLM(load_model(name, dtype=dtype, weights=weights), max_seq_len=max_seq_len, attention=attention,
+    return LaserLM(load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype), max_seq_len=max_seq_len, attention=attention,
                    **attention_options)

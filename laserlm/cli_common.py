@@ -39,6 +39,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "as int8 blocks), int8/int4 = round-to-nearest blocks of 32 for any float model, fp32 = the "
                         "exact reference path, bf16; auto = native for a GGUF file unless --dtype is given, else "
                         "fp32 (default: %(default)s)")
+    p.add_argument("--prefill-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="dtype in which quantized weights multiply more than 16 rows at once (prefill, large "
+                        "batches): auto = bfloat16 on a CPU with AMX-BF16 (about 2x faster prefill), else float32 "
+                        "(default: %(default)s)")
     p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{" + ",".join(OFFERED_DTYPES) + "}",
                    help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 runs guarded: "
                         "norms in float32, a layer that would overflow falls back to float32)")
@@ -137,7 +141,7 @@ def load_from_args(args):
 
     apply_threads(args)
     return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, weights=getattr(args, "weights", "auto"),
-                **attention_kwargs(args))
+                prefill_dtype=getattr(args, "prefill_dtype", "auto"), **attention_kwargs(args))
 
 
 

@@ -196,11 +196,13 @@ def _predicted_vs_measured(lm, rounds=5):
 
 def _check_prediction(lm):
     full, static, speedup = _predicted_vs_measured(lm)
-    assert full == pytest.approx(1.0, abs=0.15), f"full depth: predicted / measured step time {full:.3f}"
-    assert speedup == pytest.approx(1.0, abs=0.15), f"static pruning: predicted / measured speedup {speedup:.3f}"
-    assert static == pytest.approx(1.0, abs=0.15), f"static pruning: predicted / measured step time {static:.3f}"
+    got = f"predicted / measured: full-depth step {full:.3f}, static-pruning step {static:.3f}, speedup {speedup:.3f}"
+    assert full == pytest.approx(1.0, abs=0.15), got
+    assert speedup == pytest.approx(1.0, abs=0.15), got
+    assert static == pytest.approx(1.0, abs=0.15), got
 
 
+@pytest.mark.slow  # a timed test: on a 480 MiB-L3 Xeon (2026-12-02) static pruning ran 15-20 % faster than predicted
 def test_predicted_speed_matches_measured_smollm2():
     import laserlm
 

@@ -70,6 +70,44 @@ def test_smollm2_tensors_match_gguf_dequantize(name):
     _check_matmul(blocks, fmt, ref.astype(np.float64))
 
 
+@pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "token_embd.weight"])
+def test_bfloat16_prefill_matmul_of_real_tensors(name):
+    """The bfloat16 prefill path on real SmolLM2 tensors (Q4_1, Q8_0): the kernel's bfloat16 dequantization is gguf's
+    float32 values rounded to nearest even, and a 40-row product in prefill dtype bfloat16 is within bfloat16's
+    rounding of a float64 matmul (operands 2**-9 relative each, so 2**-8 per product; float32 accumulation; the
+    result rounded, 2**-9 relative) -- and is not the float32 path's result (the bfloat16 path was taken)."""
+    from gguf.quants import dequantize
+
+    t = {t.name: t for t in _reader("smollm2-135m").tensors}[name]
+    raw = np.asarray(t.data)[:512]
+    n, k = raw.shape[0], int(t.shape[0])
+    _, blocks, fmt, _ = quant.from_gguf(raw, int(t.tensor_type), n, k)
+    blocks = quant.padded(blocks)
+    w = torch.from_numpy(dequantize(raw, t.tensor_type).astype(np.float32).reshape(n, k))
+    assert torch.equal(quant.dequantize(blocks, fmt, k, dtype=torch.bfloat16), w.to(torch.bfloat16))
+    x = torch.randn(quant.KERNEL_MAX_ROWS + 24, k, generator=torch.Generator().manual_seed(1))
+    got = quant.matmul(x, blocks, fmt, k, torch.bfloat16).double()
+    ref = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    bound = 1.01 * (2 ** -8 * mag + 2 ** -9 * (ref.abs() + 2 ** -8 * mag)) + 1e-6
+    assert bool(((got - ref).abs() <= bound).all()), float(((got - ref).abs() - bound).max())
+    assert not torch.equal(got.float(), quant.matmul(x, blocks, fmt, k))
+
+
+def test_prefill_dtype_choice_and_errors(capsys):
+    from laserlm.cli import main
+
+    assert quant.resolve_prefill_dtype("float32") is torch.float32
+    assert quant.resolve_prefill_dtype("bfloat16") is torch.bfloat16
+    assert quant.resolve_prefill_dtype("auto") in (torch.float32, torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match="unknown prefill dtype 'fp8'"):
+        laserlm.load("smollm2-135m", prefill_dtype="fp8")
+    with pytest.raises(InvalidArgumentError, match="applies to quantized weights .* not to --weights fp32"):
+        laserlm.load("smollm2-135m", weights="fp32", prefill_dtype="bfloat16")
+    assert main(["generate", "-t", "1", "--weights", "fp32", "--prefill-dtype", "bfloat16", "hi"]) == 2
+    assert "applies to quantized weights" in capsys.readouterr().err
+
+
 def test_q4_0_blocks_match_gguf():
     """Q4_0 is in neither bundled model: gguf quantizes a random matrix, laserlm multiplies it."""
     from gguf import GGMLQuantizationType as T
@@ -251,9 +289,13 @@ def _windows(smol, n_windows=6, length=256):
     return [ids[i * length:(i + 1) * length] for i in range(n_windows)]
 
 
-def test_native_perplexity_and_agreement_vs_fp32(smol, smol_native):
+@pytest.mark.parametrize("prefill", ["float32", "bfloat16"])
+def test_native_perplexity_and_agreement_vs_fp32(smol, prefill):
     """WikiText-2 test: perplexity within 1 % of the dequantized-fp32 reference, and teacher-forced greedy
-    top-1 agreement >= 0.95."""
+    top-1 agreement >= 0.95, with the prefill matmuls (512-token windows) in float32 and in bfloat16."""
+    smol_native = laserlm.load("smollm2-135m", weights="native", prefill_dtype=prefill)
+    assert all(m.prefill_dtype is getattr(torch, prefill) for m in smol_native.engine.model.modules()
+               if isinstance(m, quant.QuantLinear))
     nll_ref, nll_q, agree, n = 0.0, 0.0, 0, 0
     for w in _windows(smol):
         x = w.unsqueeze(0)

@@ -111,13 +111,12 @@ def cmd_bench(args) -> int:
     from ..defaults import check_before_load  # noqa: PLC0415
 
     check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
-    args.weights = weights[0]
-    lm = load_from_args(args)
-    lms = [lm]
-    for w in weights[1:]:
-        args.weights = w
+    lms, prefill = [], args.prefill_dtype
+    for w in weights:  # --prefill-dtype concerns the quantized formats of the list; float ones keep their own
+        args.weights, args.prefill_dtype = w, ("auto" if w in ("fp32", "bf16") else prefill)
         lms.append(load_from_args(args))
-    args.weights = ",".join(weights)
+    lm = lms[0]
+    args.weights, args.prefill_dtype = ",".join(weights), prefill
     resolved = [one.weights for one in lms]
     if len(set(resolved)) != len(resolved):
         raise InvalidArgumentError(f"--weights {args.weights} resolves to the same format twice ({', '.join(resolved)})")

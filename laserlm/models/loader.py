@@ -54,6 +54,7 @@ class LoadedModel:
         weights: the weight format in use (``fp32``, ``bf16``, ``int8``, ``int4``, ``native``).
         pack_report: a :class:`~laserlm.models.packing.PackReport` for packed formats, else ``None``.
         load_seconds: wall-clock seconds of :func:`load_model`.
+        prefill_dtype: dtype of the quantized matrices' products over many rows (float32 for float weights).
     """
 
     model: torch.nn.Module
@@ -65,6 +66,7 @@ class LoadedModel:
     weights: str = "fp32"
     pack_report: object = None
     load_seconds: float = 0.0
+    prefill_dtype: torch.dtype = torch.float32
 
     @property
     def config(self):
@@ -356,7 +358,7 @@ def resolve_weights(weights: str | None, dtype, from_gguf: bool) -> tuple[str, t
 
 
 def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool = True,
-               weights: str | None = "auto") -> LoadedModel:
+               weights: str | None = "auto", prefill_dtype: str | None = "auto") -> LoadedModel:
     """Load a supported causal LM and its tokenizer for laserlm.
 
     Args:
@@ -366,27 +368,39 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
             float32 (see :func:`resolve_weights`).
         weights: ``"auto"`` (default), ``"fp32"`` (exact parity with transformers), ``"bf16"``, ``"int8"``,
             ``"int4"`` or ``"native"`` (a GGUF file's own quantization); see :mod:`laserlm.models.quant`.
+        prefill_dtype: ``"auto"`` (default), ``"float32"`` or ``"bfloat16"``: the dtype in which quantized weights
+            multiply inputs of more than 16 rows (prefill chunks, large batches); auto = bfloat16 on a CPU with
+            AMX-BF16, else float32 (:func:`laserlm.models.quant.resolve_prefill_dtype`). Float weights ignore
+            ``auto``.
 
     Raises:
         ModelNotFoundError: unknown name, missing file, hub id not available offline.
         CorruptModelError: unreadable config, weights or GGUF file.
         UnsupportedArchitectureError: the architecture is not one of :data:`SUPPORTED_MODEL_TYPES`, or a
             GGUF tensor type without a kernel under ``native``.
-        InvalidArgumentError: unknown dtype or weight format, or contradicting ones.
+        InvalidArgumentError: unknown dtype, weight format or prefill dtype, or contradicting ones (an explicit
+            ``prefill_dtype`` with float weights).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
     t_start = time.perf_counter()
-    from .quant import QUANTIZED_FORMATS, WEIGHT_FORMATS  # noqa: PLC0415
+    from .quant import QUANTIZED_FORMATS, WEIGHT_FORMATS, QuantLinear, resolve_prefill_dtype  # noqa: PLC0415
 
     if weights is not None and weights not in WEIGHT_FORMATS:
         resolve_weights(weights, dtype, False)  # raises the unknown-format error before any loading
+    gemm_dtype = resolve_prefill_dtype(prefill_dtype)  # raises on an unknown value before any loading
     if dtype is not None:
         check_offered_dtype(dtype)  # float16 is refused with the CLI's message (laserlm.models.dtypes)
         parse_dtype(dtype)
     where = resolve(name, progress=progress)
     gguf_src = gguf_source_of(where)
     weights, torch_dtype = resolve_weights(weights, dtype, gguf_src is not None)
+    if weights not in QUANTIZED_FORMATS:
+        if prefill_dtype not in (None, "auto", "float32", torch.float32):
+            raise InvalidArgumentError(
+                f"prefill dtype {prefill_dtype} applies to quantized weights (int8, int4, native), not to "
+                f"--weights {weights}: float weights multiply in their own dtype (--weights bf16 for bfloat16)")
+        gemm_dtype = torch.float32
     _quiet_transformers()
     if isinstance(where, Path):
         model_type = _check_architecture(where, name)
@@ -422,6 +436,9 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
 
         _record_stored_weights_hash(model, where)
         report = pack_model(model, weights, gguf_path=gguf_src, cache_path=packed_cache_path(where, weights))
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.prefill_dtype = gemm_dtype
         if torch_dtype != torch.float32:
             model.to(torch_dtype)
             if hasattr(model.model.embed_tokens, "blocks"):
@@ -436,4 +453,4 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     }
     return LoadedModel(model, tokenizer, name, Path(where) if isinstance(where, Path) else Path(str(where)),
                        torch_dtype, identity, weights=weights, pack_report=report,
-                       load_seconds=time.perf_counter() - t_start)
+                       load_seconds=time.perf_counter() - t_start, prefill_dtype=gemm_dtype)

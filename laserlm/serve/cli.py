@@ -64,7 +64,7 @@ def settings_from_args(args):
         raise LaserLMError(f"--replicas must be >= 1, got {args.replicas}")
     return ServerSettings(
         model=args.model, served_model_name=args.served_model_name, mode=args.mode, allowed_modes=args.allow_mode,
-        laser=args.laser, weights=args.weights, dtype=args.dtype, ctx_size=args.ctx_size, threads=args.threads,
+        laser=args.laser, weights=args.weights, prefill_dtype=args.prefill_dtype, dtype=args.dtype, ctx_size=args.ctx_size, threads=args.threads,
         kv_budget=args.kv_budget, max_batch=args.max_batch, max_queue=args.max_queue, page_size=args.page_size,
         prefill_chunk=args.prefill_chunk, eviction=args.eviction, prefix_cache=not args.no_prefix_cache,
         api_key=args.api_key or os.environ.get("LASERLM_API_KEY") or None,

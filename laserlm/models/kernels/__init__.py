@@ -69,6 +69,19 @@ def _build():
     )
 
 
+def hardware_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware for PyTorch: the AMX-BF16 tile unit (Intel Xeon
+    4th generation and later), with the kernel's permission to use it granted (``torch._C._cpu._init_amx``; a VM
+    may not grant it). Measured on such a CPU (1 thread): a bfloat16 ``F.linear`` of 512 x 640 by 640 x 2048 ran
+    at 600 GMAC/s against 86 in float32. AVX512-BF16 alone (e.g. AMD Zen 4) is not counted: not measured here."""
+    if "amx_bf16" not in _cpu_flags().split():
+        return False
+    try:
+        return bool(torch._C._cpu._init_amx())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def ops():
     """The compiled kernel module (``qmatmul``, ``dequantize``, ``decode_layer``, ``has_avx2`` and the ``LayerStack``
     class), or ``None`` if it cannot be built.

@@ -381,40 +381,48 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K) 
   return y;
 }
 
-// float32 [len(rows), K] = dequant(w)[rows]  (rows int64; all rows when `rows` is empty)
-torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor rows) {
-  check_weight(w, fmt, K);
-  const bool all = rows.numel() == 0;
-  const int64_t R = all ? w.size(0) : rows.numel(), nb = K / QK, rb = w.size(1), qb = quant_bytes(fmt);
-  auto idx = all ? rows : rows.to(torch::kInt64).contiguous();
-  const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
-  auto out = torch::empty({R, K}, torch::kFloat32);
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t N = w.size(0);
+// [len(rows), K] = dequant(w)[rows]  (rows int64; all rows when `rows` is empty), float32, or bfloat16 (each float32
+// value d * q + m rounded to nearest even: the operand of a bfloat16 GEMM, half the bytes written)
+template <typename Out>
+void dequantize_rows(const uint8_t* wp, int64_t N, int64_t rb, int64_t fmt, int64_t K, const int64_t* ip, int64_t R,
+                     Out* op) {
+  const int64_t nb = K / QK, qb = quant_bytes(fmt);
   at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t n = all ? r : ip[r];
+      const int64_t n = ip ? ip[r] : r;
       TORCH_CHECK(n >= 0 && n < N, "row index ", n, " out of range [0, ", N, ")");
       const uint8_t* row = wp + n * rb;
       const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * qb);
-      float* o = op + r * K;
+      Out* o = op + r * K;
       for (int64_t b = 0; b < nb; ++b, o += QK) {
         const float d = fp16_to_fp32(dh[b]);
         if (fmt == Q8_0) {
           const int8_t* q = reinterpret_cast<const int8_t*>(row + b * 32);
-          for (int j = 0; j < QK; ++j) o[j] = d * q[j];
+          for (int j = 0; j < QK; ++j) o[j] = static_cast<Out>(d * q[j]);
         } else {
           const float m = fp16_to_fp32(dh[nb + b]);
           const uint8_t* qs = row + b * 16;
           for (int j = 0; j < 16; ++j) {
-            o[j] = d * (qs[j] & 0x0F) + m;
-            o[j + 16] = d * (qs[j] >> 4) + m;
+            o[j] = static_cast<Out>(d * (qs[j] & 0x0F) + m);
+            o[j + 16] = static_cast<Out>(d * (qs[j] >> 4) + m);
           }
         }
       }
     }
   });
+}
+
+torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor rows, bool bf16) {
+  check_weight(w, fmt, K);
+  const bool all = rows.numel() == 0;
+  const int64_t R = all ? w.size(0) : rows.numel();
+  auto idx = all ? rows : rows.to(torch::kInt64).contiguous();
+  const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
+  auto out = torch::empty({R, K}, bf16 ? torch::kBFloat16 : torch::kFloat32);
+  if (bf16)
+    dequantize_rows(w.data_ptr<uint8_t>(), w.size(0), w.size(1), fmt, K, ip, R, out.data_ptr<at::BFloat16>());
+  else
+    dequantize_rows(w.data_ptr<uint8_t>(), w.size(0), w.size(1), fmt, K, ip, R, out.data_ptr<float>());
   return out;
 }
 
@@ -873,7 +881,7 @@ class LayerStack {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, "y [T, N] = x [T, K] @ dequant(w).T");
-  m.def("dequantize", &dequantize, "float32 rows of a block matrix");
+  m.def("dequantize", &dequantize, "float32 (or bfloat16) rows of a block matrix");
   m.def("decode_layer", &decode_layer, "one decoder layer over block matrices");
   m.def("has_avx2", &has_avx2, "built with AVX2 + FMA + F16C");
   pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())
