@@ -260,5 +260,5 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
         InvalidArgumentError (bad dtype or attention options).
     """
-    return LaserLM(load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype), max_seq_len=max_seq_len, attention=attention,
-                   **attention_options)
+    loaded = load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype)
+    return LaserLM(loaded, max_seq_len=max_seq_len, attention=attention, **attention_options)

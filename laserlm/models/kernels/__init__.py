@@ -10,6 +10,7 @@ not possible, :func:`ops` returns ``None`` and callers use the pure-PyTorch refe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -69,6 +70,7 @@ def _build():
     )
 
 
+@functools.lru_cache(maxsize=1)
 def hardware_bf16_gemm() -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware for PyTorch: the AMX-BF16 tile unit (Intel Xeon
     4th generation and later), with the kernel's permission to use it granted (``torch._C._cpu._init_amx``; a VM
