@@ -32,16 +32,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default="smollm2-135m",
                    help="bundled name (see `laserlm models`), .gguf file, model directory or cached hub id "
                         "(default: %(default)s)")
-    from .models.dtypes import OFFERED_DTYPES  # noqa: PLC0415
+    from .models.dtypes import OFFERED_DTYPES, PREFILL_DTYPES, WEIGHT_FORMATS  # noqa: PLC0415
 
-    p.add_argument("--weights", "-w", choices=["auto", "fp32", "bf16", "int8", "int4", "native"], default="auto",
+    p.add_argument("--weights", "-w", choices=WEIGHT_FORMATS, default="auto",
                    help="weight format: native = a GGUF file's own quantization (4-bit types as int4 blocks, 5/6/8-bit "
                         "as int8 blocks), int8/int4 = round-to-nearest blocks of 32 for any float model, fp32 = the "
                         "exact reference path, bf16; auto = native for a GGUF file unless --dtype is given, else "
                         "fp32 (default: %(default)s)")
-    p.add_argument("--prefill-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES, default="auto",
                    help="dtype in which quantized weights multiply more than 16 rows at once (prefill, large "
-                        "batches): auto = bfloat16 on a CPU with AMX-BF16 (about 2x faster prefill), else float32 "
+                        "batches): auto = bfloat16 on a CPU with AMX-BF16 or AVX512-BF16 (about 2x faster "
+                        "prefill), else float32 "
                         "(default: %(default)s)")
     p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{" + ",".join(OFFERED_DTYPES) + "}",
                    help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 runs guarded: "

@@ -49,6 +49,7 @@ from torch import nn
 
 from ..errors import InvalidArgumentError, UnsupportedArchitectureError
 from . import kernels
+from .dtypes import PREFILL_DTYPES, WEIGHT_FORMATS  # noqa: F401  (re-exported: quant.WEIGHT_FORMATS)
 
 QK = 32
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
@@ -89,8 +90,6 @@ def to_soa(aos: torch.Tensor, fmt: int) -> tuple[torch.Tensor, int]:
 # inputs with more rows than this are multiplied by a float32 copy of the matrix (BLAS GEMM)
 KERNEL_MAX_ROWS = 16
 
-WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "native")
-PREFILL_DTYPES = ("auto", "float32", "bfloat16")
 QUANTIZED_FORMATS = ("int8", "int4", "native")
 
 
@@ -163,7 +162,8 @@ def resolve_prefill_dtype(name: str | torch.dtype | None) -> torch.dtype:
     """The dtype of the matrix products of quantized weights over more than ``KERNEL_MAX_ROWS`` rows.
 
     ``"auto"``/``None``: bfloat16 where the CPU multiplies bfloat16 matrices in hardware
-    (:func:`laserlm.models.kernels.hardware_bf16_gemm`: AMX-BF16), else float32. ``"float32"`` keeps prefill exact
+    (:func:`laserlm.models.kernels.hardware_bf16_gemm`: AMX-BF16 or
+    AVX512-BF16), else float32. ``"float32"`` keeps prefill exact
     to the dequantized weights (the parity reference).
 
     Raises:
