@@ -47,6 +47,8 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=20)
     p.add_argument("--length", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--prefill-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="prefill dtype of the quantized formats (default: auto)")
     a = p.parse_args()
     torch.set_num_threads(1)
     ref = laserlm.load(a.model, weights="fp32")
@@ -72,7 +74,7 @@ def main() -> None:
         if w == "fp32":
             ppl, agree, dec = ref_ppl, 1.0, 1.0
         else:
-            lm = laserlm.load(a.model, weights=w)
+            lm = laserlm.load(a.model, weights=w, prefill_dtype=a.prefill_dtype)
             nll_q, same = 0.0, 0
             with torch.inference_mode():
                 for lr, win in zip(ref_logits, ws):
