@@ -108,6 +108,25 @@ def test_prefill_dtype_choice_and_errors(capsys):
     assert "applies to quantized weights" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, amx_granted, expected", [
+    ("flags : fpu avx2 fma", True, False),  # AVX2 only: oneDNN would emulate bfloat16
+    ("flags : fpu avx2 avx512f avx512_bf16", False, True),  # AMD Zen 4
+    ("flags : fpu avx512f avx512_bf16 amx_bf16 amx_tile", True, True),  # Xeon, AMX granted
+    ("flags : fpu avx512f amx_bf16 amx_tile", False, False),  # AMX not granted by the VM, no AVX512-BF16
+])
+def test_hardware_bf16_gemm_reads_the_cpu_flags(monkeypatch, flags, amx_granted, expected):
+    from laserlm.models import kernels
+
+    monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch._C._cpu, "_init_amx", lambda: amx_granted)
+    kernels.hardware_bf16_gemm.cache_clear()
+    try:
+        assert kernels.hardware_bf16_gemm() is expected
+        assert quant.resolve_prefill_dtype("auto") is (torch.bfloat16 if expected else torch.float32)
+    finally:
+        kernels.hardware_bf16_gemm.cache_clear()
+
+
 def test_q4_0_blocks_match_gguf():
     """Q4_0 is in neither bundled model: gguf quantizes a random matrix, laserlm multiplies it."""
     from gguf import GGMLQuantizationType as T
