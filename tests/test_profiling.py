@@ -145,6 +145,26 @@ def test_skip_sensitivity_matches_a_hand_written_forward():
 
 
 @torch.inference_mode()
+def test_skip_sensitivity_on_packed_weights_matches_the_float_model():
+    """Native (packed Q4_1) weights: zeroing a packed layer's fused ``o`` / ``down`` projection gives the skip that
+    hooks on the float model's submodules give (the bundled model's fp32 weights are the same Q4_1 blocks
+    dequantized; float32 prefill keeps the packed matmuls exact to them)."""
+    import laserlm
+
+    ref = laserlm.load("smollm2-135m", weights="fp32")
+    nat = laserlm.load("smollm2-135m", weights="native", prefill_dtype="float32")
+    assert nat.engine._packed and not ref.engine._packed
+    ids = torch.tensor(ref.tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:48])
+    hs_ref, hs_nat = collect(ref.engine, ids), collect(nat.engine, ids)
+    for part, layer in (("attention", 7), ("mlp", 3)):
+        r, q = skip_sensitivity(ref.engine, hs_ref, part, layer), skip_sensitivity(nat.engine, hs_nat, part, layer)
+        assert r["nll_increase"] != 0.0
+        assert q["nll_increase"] == pytest.approx(r["nll_increase"], abs=2e-3)
+        assert q["agreement"] == pytest.approx(r["agreement"], abs=1 / 47 + 1e-9)
+    assert nat.engine.native_layers and nat.engine.fast_layers  # restored
+
+
+@torch.inference_mode()
 def test_subset_quality_keeping_everything_is_exact():
     from laserlm.runtime.engine import Engine
 

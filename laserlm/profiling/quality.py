@@ -163,17 +163,23 @@ class _ZeroOutput:
 
 
 def skippable(engine) -> bool:
-    """Whether the layers' attention and MLP submodules can be switched off by hooks (float weights: the
-    packed layers of int4/int8/native weights do not call those submodules)."""
+    """Whether the layers' attention and MLP outputs can be switched off by hooks: on the transformers submodules
+    (float weights), or on the fused output projections ``o`` / ``down`` of a packed layer (int4/int8/native
+    weights, run on the packed PyTorch path for that layer: the whole-layer kernel calls no module)."""
     layer = engine.adapter.layers[0]
-    return (not getattr(engine, "_packed", None)) and hasattr(layer, "self_attn") and hasattr(layer, "mlp")
+    if 0 in getattr(engine, "_packed", ()):
+        pk = layer.laserlm_packed
+        return hasattr(pk, "o") and hasattr(pk, "down")
+    return hasattr(layer, "self_attn") and hasattr(layer, "mlp")
 
 
 @torch.inference_mode()
 def skip_sensitivity(engine, hs: HiddenStates, part: str, layer: int, positions: int | None = None) -> dict:
     """Agreement with the full model and mean NLL increase (nats) when ``part`` (``"attention"`` or
     ``"mlp"``) of decoder layer ``layer`` outputs zeros; the forward restarts from the stored state before
-    that layer, over the first ``positions`` tokens (default all).
+    that layer, over the first ``positions`` tokens (default all). On packed weights the block's output projection
+    (``o`` for attention, ``down`` for the MLP) outputs zeros: the same block output, since Gemma3's post-norm
+    of zeros is zero.
 
     Raises:
         InvalidArgumentError: unknown part, or a model whose layers cannot be switched off (see
@@ -182,21 +188,29 @@ def skip_sensitivity(engine, hs: HiddenStates, part: str, layer: int, positions:
     if part not in ("attention", "mlp"):
         raise InvalidArgumentError(f"part must be 'attention' or 'mlp', got {part!r}")
     if not skippable(engine):
-        raise InvalidArgumentError("skip sensitivity needs float weights (--weights fp32 or bf16)")
+        raise InvalidArgumentError("skip sensitivity needs decoder layers with separate attention and MLP blocks")
     n = hs.ids.shape[0] if positions is None else min(positions, hs.ids.shape[0])
     ids = hs.ids[:n]
-    mod = engine.adapter.layers[layer]
-    mod = mod.self_attn if part == "attention" else mod.mlp
+    layer_mod = engine.adapter.layers[layer]
+    packed = layer in getattr(engine, "_packed", ())
+    if packed:  # the packed PyTorch path of this layer, which calls the fused projections
+        pk = layer_mod.laserlm_packed
+        mod = pk.o if part == "attention" else pk.down
+    else:  # the transformers layers, which call the hooked submodules
+        mod = layer_mod.self_attn if part == "attention" else layer_mod.mlp
     handle = mod.register_forward_hook(_ZeroOutput())
-    fast = engine.fast_layers
-    engine.fast_layers = False  # the transformers layers, which call the hooked submodules
+    fast, native = engine.fast_layers, engine.native_layers
+    if packed:
+        engine.native_layers = False
+    else:
+        engine.fast_layers = False
     try:
         _, st = engine.begin(ids.unsqueeze(0), use_cache=False)
         h = hs.hidden[layer, :n].unsqueeze(0).to(engine.dtype)
         h = engine.run_layer(layer, h, st)
     finally:
         handle.remove()
-        engine.fast_layers = fast
+        engine.fast_layers, engine.native_layers = fast, native
     h = engine.run_layers(layer + 1, engine.num_layers, h, st)
     logits = engine.head(h)[0]
     agree = float((logits.argmax(-1) == hs.logits_top1[:n]).float().mean())
