@@ -273,6 +273,11 @@ def test_good_input_still_works(capsys, smol):
     assert rc == 0
     data = json.loads(out)
     assert data["generated_tokens"] == 3 and data["text"]
+    # the default native weights report the prefill dtype that `auto` resolved to on this CPU
+    from laserlm.models.quant import resolve_prefill_dtype
+
+    assert data["weights"] == "native"
+    assert data["prefill_dtype"] == str(resolve_prefill_dtype("auto")).removeprefix("torch.")
 
 
 def test_directory_without_config_is_a_clear_error(tmp_path):

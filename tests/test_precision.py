@@ -139,6 +139,7 @@ def test_generate_monitor_ranges_json(smol, capsys):
 
     assert main(["generate", "--weights", "fp32", "--monitor-ranges", "--json", "-n", "3", "-t", "1", "Hello"]) == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["prefill_dtype"] is None  # float weights: no prefill dtype of their own
     assert len(out["ranges"]) == 30 and all(r["calls"] >= 3 and r["nan"] == 0 for r in out["ranges"])
 
 

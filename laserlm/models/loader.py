@@ -394,12 +394,15 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
         parse_dtype(dtype)
     where = resolve(name, progress=progress)
     gguf_src = gguf_source_of(where)
+    asked_weights = weights
     weights, torch_dtype = resolve_weights(weights, dtype, gguf_src is not None)
     if weights not in QUANTIZED_FORMATS:
         if prefill_dtype not in (None, "auto", "float32", torch.float32):
+            chosen = "" if asked_weights == weights else f" (chosen by --weights auto with --dtype {dtype})"
             raise InvalidArgumentError(
                 f"prefill dtype {prefill_dtype} applies to quantized weights (int8, int4, native), not to "
-                f"--weights {weights}: float weights multiply in their own dtype (--weights bf16 for bfloat16)")
+                f"--weights {weights}{chosen}: float weights multiply in their own dtype; drop --prefill-dtype, or "
+                f"give --weights native / int4 / int8 for quantized weights")
         gemm_dtype = torch.float32
     _quiet_transformers()
     if isinstance(where, Path):
