@@ -63,6 +63,14 @@ class LaserLM:
         """The weight format in use (``fp32``, ``bf16``, ``int8``, ``int4`` or ``native``)."""
         return self.engine.weights
 
+    @property
+    def prefill_dtype(self) -> str | None:
+        """Name of the dtype in which the quantized weights multiply more than 16 rows (``"float32"`` or
+        ``"bfloat16"``); ``None`` for float weights, which multiply in their own dtype."""
+        if self.loaded.pack_report is None:
+            return None
+        return str(self.loaded.prefill_dtype).replace("torch.", "")
+
     def describe(self) -> str:
         """One line: weight format (with the block formats of packed weights) and activation dtype."""
         dtype = str(self.engine.dtype).replace("torch.", "")
@@ -70,9 +78,8 @@ class LaserLM:
         if rep is None:
             return f"weights {self.weights}, activations {dtype}"
         fmts = ", ".join(f"{k} x{v}" for k, v in sorted(rep.formats.items()))
-        prefill = str(self.loaded.prefill_dtype).replace("torch.", "")
         return (f"weights {self.weights} ({fmts}; {rep.nbytes / 2**20:.1f} MiB), activations {dtype}, prefill "
-                f"matmuls {prefill}")
+                f"matmuls {self.prefill_dtype}")
 
     def resolve_spec(self, config: str, progress: bool = True) -> str:
         """The spec that runs for ``config`` (``MODE_SPEC[@ATTENTION]``): unchanged, except that a spec naming no

@@ -199,10 +199,8 @@ def cmd_generate(args) -> int:
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:
         result = gen.run()
-        prefill = (str(lm.loaded.prefill_dtype).replace("torch.", "") if lm.loaded.pack_report is not None
-                   else None)  # quantized weights only: float weights multiply in their own dtype
         out = {"model": args.model, "weights": lm.weights, "dtype": str(lm.engine.dtype).replace("torch.", ""),
-               "prefill_dtype": prefill, "mode": args.mode, "text": result.text,
+               "prefill_dtype": lm.prefill_dtype, "mode": args.mode, "text": result.text,
                **result.stats()}
         if monitor is not None:
             out["ranges"] = monitor.report()

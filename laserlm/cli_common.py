@@ -42,8 +42,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES, default="auto",
                    help="dtype in which quantized weights multiply more than 16 rows at once (prefill, large "
                         "batches): auto = bfloat16 on a CPU with AMX-BF16 or AVX512-BF16 (1.5-2.2x faster "
-                        "prefill), else float32 "
-                        "(default: %(default)s)")
+                        "prefill), else float32 (default: %(default)s)")
     p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{" + ",".join(OFFERED_DTYPES) + "}",
                    help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 runs guarded: "
                         "norms in float32, a layer that would overflow falls back to float32)")

@@ -397,7 +397,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     asked_weights = weights
     weights, torch_dtype = resolve_weights(weights, dtype, gguf_src is not None)
     if weights not in QUANTIZED_FORMATS:
-        if prefill_dtype not in (None, "auto", "float32", torch.float32):
+        if prefill_dtype not in (None, "auto") and gemm_dtype is not torch.float32:  # an explicit non-fp32 choice
             chosen = "" if asked_weights == weights else f" (chosen by --weights auto with --dtype {dtype})"
             raise InvalidArgumentError(
                 f"prefill dtype {prefill_dtype} applies to quantized weights (int8, int4, native), not to "

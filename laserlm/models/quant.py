@@ -162,9 +162,8 @@ def resolve_prefill_dtype(name: str | torch.dtype | None) -> torch.dtype:
     """The dtype of the matrix products of quantized weights over more than ``KERNEL_MAX_ROWS`` rows.
 
     ``"auto"``/``None``: bfloat16 where the CPU multiplies bfloat16 matrices in hardware
-    (:func:`laserlm.models.kernels.hardware_bf16_gemm`: AMX-BF16 or
-    AVX512-BF16), else float32. ``"float32"`` keeps prefill exact
-    to the dequantized weights (the parity reference).
+    (:func:`laserlm.models.kernels.hardware_bf16_gemm`: AMX-BF16 or AVX512-BF16), else float32. ``"float32"``
+    keeps prefill exact to the dequantized weights (the parity reference).
 
     Raises:
         InvalidArgumentError: any other value.
