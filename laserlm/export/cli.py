@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
                        description="Export a model for other runtimes.")
     fmt = p.add_subparsers(dest="format", metavar="FORMAT")
     o = fmt.add_parser("onnx", help="one ONNX graph per layer group + embedding, bridges, exit heads and final head",
-                       description="Export the float32 model to ONNX (opset 13, TorchScript exporter, dynamic batch / "
+                       description="Export the model to ONNX (opset 13, TorchScript exporter, dynamic batch / "
                                    "new-token / past axes): embed.onnx, group_<g>.onnx, bridge_<g>.onnx, head.onnx, "
                                    "exit_<layer>.onnx and manifest.json. Run it with `laserlm generate --backend "
                                    "onnxruntime --model DIR`.")
@@ -31,6 +31,13 @@ def add_parser(sub) -> None:
                         "else groups of 5)")
     o.add_argument("--laser", default=None, metavar="PATH",
                    help="laser file from `laserlm calibrate`: exports its exit heads, records its gates and thresholds")
+    o.add_argument("--weights", "-w", default="fp32", choices=["fp32", "native", "int4", "int8"],
+                   help="matrix weights in the graphs: fp32 (the exactness reference), or the Q4_1 / Q8_0 blocks that "
+                        "the PyTorch engine runs with this --weights, as onnxruntime MatMulNBits (native: the GGUF "
+                        "file's own blocks, not re-quantized) (default: %(default)s)")
+    o.add_argument("--accuracy-level", type=int, default=4, choices=[0, 4],
+                   help="MatMulNBits compute for quantized --weights: 4 = int8 activations, integer dot products "
+                        "(llama.cpp's scheme), 0 = float32 (exact, slower) (default: %(default)s)")
     o.add_argument("--max-len", type=int, default=2048,
                    help="declared maximum context, past + new tokens (default: %(default)s)")
     o.add_argument("--peak-concurrency", type=int, default=1,
@@ -68,12 +75,18 @@ def cmd_export_onnx(args) -> int:
     from ..api import load  # noqa: PLC0415
 
     lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None)
+    packed = None if args.weights == "fp32" else load(args.model, dtype="float32", weights=args.weights).engine
     max_len = min(args.max_len, lm.engine.max_seq_len)
     man = export_onnx(lm.engine, out, groups=args.groups, laser=args.laser, max_batch=max_batch, max_len=max_len,
-                      progress=not args.no_progress, tokenizer=lm.tokenizer)
+                      progress=not args.no_progress, tokenizer=lm.tokenizer, packed=packed,
+                      accuracy_level=args.accuracy_level)
     size = sum(g["bytes"] for g in man["graphs"].values())
-    print(f"exported {len(man['graphs'])} graphs ({size / 2**20:.0f} MiB, opset {man['opset']}) to {out} in "
-          f"{man['export_seconds']:.1f} s; groups {man['groups_spec']}, exit points "
+    q = man["quantized"]
+    weights = "float32 weights" if q is None else (
+        f"{man['weights']} weights ({', '.join(f'{n} {f}' for f, n in sorted(q['matrices'].items()))} matrices as "
+        f"MatMulNBits, accuracy level {q['accuracy_level']})")
+    print(f"exported {len(man['graphs'])} graphs ({size / 2**20:.0f} MiB, opset {man['opset']}, {weights}) to {out} "
+          f"in {man['export_seconds']:.1f} s; groups {man['groups_spec']}, exit points "
           f"{[e['layer'] for e in man['exits']]}, max batch {max_batch}, max len {max_len}")
     if not args.no_tensorrt:
         prof = write_profile(out, args.peak_concurrency)

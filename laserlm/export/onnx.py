@@ -18,7 +18,9 @@ Exporter: ``torch.onnx.export`` with ``dynamo=False`` (the TorchScript exporter;
 rejected the variable number of past K/V inputs) at opset :data:`OPSET` (13, the seed's), constant folding on.
 Dynamic axes: ``batch``, ``new_tokens``, ``past``. The declared bounds are in the manifest (``shapes``): batch
 1..max_batch, new_tokens >= 1, past >= 0, past + new_tokens <= max_len (the rotary tables in the graphs cover
-``max_len`` positions). Only float32 is exported (the exactness reference; reduced precision: :mod:`laserlm.precision`).
+``max_len`` positions). Activations are float32. Weights are float32 (the exactness reference), or, with
+``weights=`` a packed model (``--weights native|int4|int8``), the same Q4_1 / Q8_0 blocks as the PyTorch engine's in
+onnxruntime's ``MatMulNBits`` (:mod:`laserlm.export.quantize`; reduced-precision activations: :mod:`laserlm.precision`).
 
 Raises (from :func:`export_onnx`): :class:`~laserlm.errors.InvalidArgumentError` for bad groups or bounds, a
 non-float32 or packed model, an output path that is a file. Files of an earlier export in the directory are
@@ -79,7 +81,7 @@ def _export_one(module, args: tuple, path: Path, inputs: list, outputs: list) ->
 
 
 def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, max_len: int | None = None,
-                progress: bool = True, tokenizer=None) -> dict:
+                progress: bool = True, tokenizer=None, packed=None, accuracy_level: int = 4) -> dict:
     """Export ``engine``'s model (float32, dense weights) to ``out_dir``; returns the manifest (also written as
     ``manifest.json``).
 
@@ -90,6 +92,10 @@ def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, ma
         max_batch: declared maximum batch (seed 004 §3.1: 1.2x the peak concurrency).
         max_len: declared maximum context (past + new tokens), default the engine's context size.
         tokenizer: saved under ``tokenizer/`` (default: the loaded model's).
+        packed: ``None`` (float32 weights), or an :class:`~laserlm.runtime.engine.Engine` of the same model with
+            packed weights (``load(..., weights="native"|"int4"|"int8").engine``, or
+            :func:`laserlm.models.packing.pack_model`): its blocks replace the float matrices (``MatMulNBits``).
+        accuracy_level: ``MatMulNBits``' compute: 4 = int8 activations (default), 0 = float32 (exact).
 
     Raises:
         InvalidArgumentError: see the module docstring.
@@ -171,6 +177,9 @@ def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, ma
                                 "export_s": round(time.perf_counter() - t0, 3)}
     finally:
         cfg._attn_implementation = old_impl
+    quantized = None
+    if packed is not None:
+        quantized = _quantize_graphs(engine, packed, out, graphs, accuracy_level)
     laser_meta = None
     if art is not None:
         shutil.copyfile(laser, out / "laser.safetensors")
@@ -192,7 +201,7 @@ def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, ma
                   "sliding_window": getattr(cfg, "sliding_window", None),
                   "eos_token_ids": sorted(eos_token_ids(engine.model, tok)),
                   "bos_token_id": getattr(tok, "bos_token_id", None) if tok is not None else None},
-        "dtype": "float32",
+        "dtype": "float32", "weights": _weights_name(packed), "quantized": quantized,
         "shapes": {"batch": [1, max_batch], "new_tokens": [1, max_len], "past": [0, max_len - 1],
                    "max_len": max_len, "note": "past + new_tokens <= max_len; positions < max_len"},
         "groups": group_rows, "min_depth": lg.min_depth, "groups_spec": lg.describe(),
@@ -202,3 +211,40 @@ def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, ma
     }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def _quantize_graphs(engine, packed, out: Path, graphs: dict, accuracy_level: int) -> dict:
+    """Put ``packed``'s blocks into the graph files (:mod:`laserlm.export.quantize`); updates ``graphs``' sizes and
+    hashes; returns ``{"accuracy_level", "matrices": {format: count}, "float_matmuls": count}``.
+
+    Raises:
+        InvalidArgumentError: ``packed`` is another model, or has no blocks.
+    """
+    from ..models.weights_hash import weights_sha256  # noqa: PLC0415
+    from . import quantize as Q  # noqa: PLC0415
+
+    if not getattr(packed, "_packed", None):
+        raise InvalidArgumentError(f"packed weights must be native, int4 or int8, not {packed.weights}")
+    if weights_sha256(packed.model) != weights_sha256(engine.model):
+        raise InvalidArgumentError("the packed model is not the exported one (weight hash differs)")
+    index, blocks = Q.weight_index(engine.model), Q.packed_blocks(packed.model)
+    formats, kept = {}, 0
+    for name, g in graphs.items():
+        if not (name.startswith(("group_", "bridge_")) or name == "head"):
+            continue
+        path = out / g["file"]
+        r = Q.quantize_graph(path, index, blocks, accuracy_level)
+        kept += r["float"]
+        for fmt in r["quantized"].values():
+            formats[fmt] = formats.get(fmt, 0) + 1
+        g["bytes"], g["sha256"] = path.stat().st_size, _sha256(path)
+    if not formats:
+        raise InvalidArgumentError(f"no matrix of the exported graphs has {_weights_name(packed)} blocks")
+    return {"accuracy_level": accuracy_level, "matrices": formats, "float_matmuls": kept}
+
+
+def _weights_name(packed) -> str:
+    """The manifest's ``weights``: ``fp32``, the packed engine's format, or ``packed`` (packed outside the loader)."""
+    if packed is None:
+        return "fp32"
+    return packed.weights if packed.weights in ("native", "int4", "int8") else "packed"
