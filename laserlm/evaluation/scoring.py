@@ -12,34 +12,12 @@ token-by-token scheduler up to float rounding).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..errors import ContextLengthError, LaserLMError
+from ..errors import LaserLMError
 from ..modes import config_kernel, make_mode, split_config
 from ..runtime.modes import FullDepth
-
-
-@dataclass
-class SequenceScore:
-    """Scores of the target tokens ``ids[start:]`` of one sequence.
-
-    Attributes:
-        token_logprobs: ``[n]`` natural-log probabilities of the target tokens.
-        greedy: whether every target token is the argmax of its distribution (lm-eval ``is_greedy``).
-        argmax: ``[n]`` the argmax token at each target position.
-        layers: ``[n]`` decoder layers the mode ran for the positions that predicted the targets.
-    """
-
-    token_logprobs: torch.Tensor
-    greedy: bool
-    argmax: torch.Tensor
-    layers: torch.Tensor
-
-    @property
-    def logprob(self) -> float:
-        return float(self.token_logprobs.sum())
+from ..runtime.scores import SequenceScore, check_score_length, target_scores
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], int]:
@@ -105,9 +83,10 @@ class Scorer:
         """Install this configuration's attention kernel on the engine (call before generating with it)."""
         self.engine.kernel = self.kernel
 
-    def _check_len(self, ids) -> None:
-        if len(ids) - 1 > self.engine.max_seq_len:
-            raise ContextLengthError(f"sequence of {len(ids)} tokens exceeds the context size {self.engine.max_seq_len}")
+    @property
+    def max_seq_len(self) -> int:
+        """The longest input (in tokens) that :meth:`score` feeds: the engine's context."""
+        return self.engine.max_seq_len
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +103,7 @@ class Scorer:
             ContextLengthError: a sequence longer than the engine's context.
         """
         for s in seqs:
-            self._check_len(s)
+            check_score_length(s, self.max_seq_len)
         self.activate()
         if self.batched:
             return self._score_adaptive_batched(seqs, starts)
@@ -136,7 +115,7 @@ class Scorer:
                 out.extend(self._score_batched([ids], [start]))
                 continue
             logits, layers = self.logits(torch.tensor(ids[:-1], dtype=torch.long))
-            out.append(_target_scores(logits[start - 1:], torch.tensor(ids[start:]), layers[start - 1:]))
+            out.append(target_scores(logits[start - 1:], torch.tensor(ids[start:]), layers[start - 1:]))
         return out
 
     def _score_batched(self, seqs, starts) -> list[SequenceScore]:
@@ -153,7 +132,7 @@ class Scorer:
         out = []
         for i, (s, start) in enumerate(zip(seqs, starts)):
             lg = logits[i, start - 1 - first:lens[i] - first]
-            out.append(_target_scores(lg, torch.tensor(s[start:]), torch.full((lg.shape[0],), float(eng.num_layers))))
+            out.append(target_scores(lg, torch.tensor(s[start:]), torch.full((lg.shape[0],), float(eng.num_layers))))
         return out
 
     def _score_adaptive_batched(self, seqs, starts) -> list[SequenceScore]:
@@ -167,11 +146,3 @@ class Scorer:
                 out.append(SequenceScore(r.logprobs[start - 1:], bool((argmax == torch.tensor(s[start:])).all()),
                                          argmax, r.layers[start - 1:len(s) - 1].float()))
         return out
-
-
-def _target_scores(logits: torch.Tensor, targets: torch.Tensor, layers: torch.Tensor) -> SequenceScore:
-    """``logits [n, V]`` predicting ``targets [n]`` -> log-probs (float32 logsumexp, returned as float64), greedy flag."""
-    logits = logits.float()
-    tok = (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)).double()
-    argmax = logits.argmax(-1)
-    return SequenceScore(tok, bool((argmax == targets).all()), argmax, layers.float())
