@@ -1,7 +1,9 @@
-"""``laserlm export onnx`` and the onnxruntime side of ``laserlm generate --backend onnxruntime``.
+"""``laserlm export onnx`` and the onnxruntime side of ``laserlm generate`` / ``laserlm eval --backend onnxruntime``.
 
 ``add_parser(sub)`` registers ``export`` (called by :func:`laserlm.cli.build_parser`); :func:`run_generate` is what
-``generate`` calls for ``--backend onnxruntime`` (``--model`` is then the export directory).
+``generate`` calls for ``--backend onnxruntime`` (``--model`` is then the export directory), and
+:func:`open_backend` is the ``onnxruntime`` backend that :func:`laserlm.cli.build_parser` hands to ``eval`` (the
+tools do not import each other). Both refuse the loading options the graphs do not have (:func:`check_onnx_args`).
 """
 
 from __future__ import annotations
@@ -95,32 +97,57 @@ def cmd_export_onnx(args) -> int:
     return 0
 
 
+def check_onnx_args(args) -> None:
+    """Refuse the model-loading options that the exported float32 graphs do not have (``generate`` and ``eval``
+    with ``--backend onnxruntime``).
+
+    Raises:
+        InvalidArgumentError: ``--weights``, ``--dtype``, ``--prefill-dtype``, ``--attention`` or a sparse-attention
+            option, or ``--ctx-size`` given.
+    """
+    if getattr(args, "weights", "auto") != "auto" or getattr(args, "dtype", None) is not None:
+        raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --weights/--dtype")
+    if getattr(args, "prefill_dtype", "auto") != "auto":
+        raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --prefill-dtype")
+    sparse = ("sparse_threshold", "sparse_mass", "block_size", "dense_layers")
+    if getattr(args, "attention", "dense") != "dense" or any(getattr(args, k, None) is not None for k in sparse):
+        raise InvalidArgumentError("--backend onnxruntime has dense attention only: drop --attention and the "
+                                   "sparse-attention options")
+    if getattr(args, "ctx_size", None) is not None:
+        raise InvalidArgumentError("--backend onnxruntime uses the export's --max-len as context: drop --ctx-size")
+
+
+def open_backend(args):
+    """The export directory ``args.model`` as an :class:`~laserlm.export.scoring.OnnxLM`, after
+    :func:`check_onnx_args` (what ``laserlm eval --backend onnxruntime`` evaluates; its ``scorer`` makes the
+    evaluator's scorers).
+
+    Raises:
+        InvalidArgumentError: see :func:`check_onnx_args`.
+        LaserLMError: ``--threads`` below 1.
+        ModelNotFoundError / CorruptModelError: no valid export (with a tokenizer) at ``--model``.
+    """
+    check_onnx_args(args)
+    from ..cli_common import apply_threads  # noqa: PLC0415
+    from .scoring import OnnxLM  # noqa: PLC0415
+
+    apply_threads(args)  # checks --threads; torch threads for the exit policies' small tensors
+
+    return OnnxLM(args.model, threads=args.threads)
+
+
 def run_generate(args, prompt: str, sampling: dict) -> int:
     """``laserlm generate --backend onnxruntime``: ``args.model`` is an export directory; ``args.mode`` ``full`` or
     ``adaptive[...]`` (``--laser`` must name the exported laser file).
 
     Raises:
-        InvalidArgumentError: options that the ONNX graphs do not have (weights, dtype, sparse attention, context).
+        InvalidArgumentError: options that the ONNX graphs do not have (:func:`check_onnx_args`), another mode.
         ModelNotFoundError / CorruptModelError: no valid export at ``--model``.
     """
-    if getattr(args, "weights", "auto") != "auto" or getattr(args, "dtype", None) is not None:
-        raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --weights/--dtype")
-    if getattr(args, "attention", "dense") != "dense":
-        raise InvalidArgumentError("--backend onnxruntime has dense attention only: drop --attention")
-    if getattr(args, "ctx_size", None) is not None:
-        raise InvalidArgumentError("--backend onnxruntime uses the export's --max-len as context: drop --ctx-size")
-    from ..runtime.generate import Generation, encode_prompt  # noqa: PLC0415
-    from ..runtime.sampling import SamplingParams  # noqa: PLC0415
-    from .runtime import OnnxModel, make_onnx_mode  # noqa: PLC0415
-
-    model = OnnxModel(args.model, threads=args.threads)
-    decoder = make_onnx_mode(model, args.mode)
-    model.warm()
-    tok = load_tokenizer(model)
-    ids = encode_prompt(tok, prompt, args.chat, model.max_len)
-    params = SamplingParams(**sampling).validate()
-    eos = set(model.manifest["model"].get("eos_token_ids", []))
-    gen = Generation(tok, ids, decoder.token_source(), params, eos, model.max_len)
+    lm = open_backend(args)
+    decoder = lm.mode(args.mode)
+    lm.model.warm()
+    gen = lm.stream(prompt, chat=args.chat, mode=decoder, **sampling)
     if args.json:
         r = gen.run()
         print(json.dumps({"model": args.model, "backend": "onnxruntime", "mode": args.mode, "text": r.text,
@@ -133,22 +160,3 @@ def run_generate(args, prompt: str, sampling: dict) -> int:
           f"{r.ttft_s * 1000:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s, {r.mean_layers_per_token:.1f} layers/token, "
           f"finish: {r.finish_reason}]", file=sys.stderr)
     return 0
-
-
-def load_tokenizer(model):
-    """The tokenizer saved in an export directory (``tokenizer/``).
-
-    Raises:
-        CorruptModelError: the export has none or it cannot be read.
-    """
-    from ..errors import CorruptModelError  # noqa: PLC0415
-
-    sub = model.manifest.get("tokenizer")
-    if not sub or not (model.path / sub).is_dir():
-        raise CorruptModelError(f"{model.path} has no tokenizer/ directory; export again with `laserlm export onnx`")
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model.path / sub))
-    except (OSError, ValueError) as exc:
-        raise CorruptModelError(f"{model.path / sub}: cannot load the tokenizer: {exc}") from None

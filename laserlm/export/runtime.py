@@ -228,15 +228,26 @@ class OnnxDecoder:
 
         return {"cache": OnnxCache(self.model), "patience": PatienceState()}
 
-    def prefill(self, state, ids) -> torch.Tensor:
-        """Prompt ``ids [T]`` at full depth into a fresh cache; returns the last position's logits ``[V]``."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        cache = state["cache"] = OnnxCache(self.model)
-        positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+    def full_depth(self, ids: np.ndarray, cache: OnnxCache) -> np.ndarray:
+        """Every layer group over ``ids [B, T]`` int64 at positions ``0..T-1``, K/V into the empty ``cache`` (made
+        for batch ``B``); returns the last group's hidden states ``[B, T, d]`` float32 (before the head).
+
+        Raises:
+            InvalidArgumentError / ContextLengthError: ``B`` or ``T`` outside the exported shapes
+            (:meth:`OnnxModel.check_inputs`).
+        """
+        positions = np.ascontiguousarray(np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape))
         h = self.embed(ids)
         for g in range(len(self.bounds)):
             h = self.group(g, h, positions, cache)
         cache.length = ids.shape[1]
+        return h
+
+    def prefill(self, state, ids) -> torch.Tensor:
+        """Prompt ``ids [T]`` at full depth into a fresh cache; returns the last position's logits ``[V]``."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        cache = state["cache"] = OnnxCache(self.model)
+        h = self.full_depth(ids, cache)
         return torch.from_numpy(self.head(np.ascontiguousarray(h[:, -1:]))[0, 0])
 
     def step(self, state, token_id: int) -> tuple[torch.Tensor, dict]:
