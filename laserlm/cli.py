@@ -261,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import cli as serve_cli  # noqa: PLC0415
     from .training import cli as training_cli  # noqa: PLC0415
 
-    for module in (eval_cli, bench_cli, training_cli, profile_cli, serve_cli, export_cli):
+    eval_cli.add_parser(sub, backends={"onnxruntime": export_cli.open_backend})
+    for module in (bench_cli, training_cli, profile_cli, serve_cli, export_cli):
         module.add_parser(sub)
     return parser
 

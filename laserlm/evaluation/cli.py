@@ -21,7 +21,12 @@ from .tasks import TASKS, EvalSettings, Evaluator, load_prompts
 DEFAULT_TASKS = "wikitext,lambada,hellaswag,arc_easy,piqa,agreement"
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, backends: dict | None = None) -> None:
+    """Register ``eval``. ``backends``: ``{name: open(args) -> lm}`` for ``--backend`` besides ``torch``; such an
+    ``lm`` has ``tokenizer``, ``generate(...)``, ``describe()``, ``weights``, ``dtype``, ``threads`` and
+    ``scorer(config)`` for the :class:`~laserlm.evaluation.tasks.Evaluator` (``laserlm.cli`` passes ``onnxruntime``,
+    :func:`laserlm.export.cli.open_backend`: the tools do not import each other)."""
+    backends = dict(backends or {})
     p = sub.add_parser(
         "eval", help="measure quality: perplexity, zero-shot tasks, agreement with full depth",
         description="Evaluate decoding-mode configurations on WikiText-2 perplexity, LAMBADA, HellaSwag, "
@@ -57,7 +62,11 @@ def add_parser(sub) -> None:
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no value: stdout, table goes to stderr)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_eval)
+    p.add_argument("--backend", choices=["torch", *backends], default="torch",
+                   help="torch: laserlm's engine; onnxruntime: the graphs of `laserlm export onnx` (--model is then "
+                        "the export directory; configurations full and adaptive[...], dense attention, the "
+                        "export's max length as context) (default: %(default)s)")
+    p.set_defaults(func=cmd_eval, eval_backends=backends)
 
 
 def parse_tasks(text: str) -> list[str]:
@@ -94,11 +103,20 @@ def cmd_eval(args) -> int:
     settings = EvalSettings(data=args.data, limit=args.limit, seed=args.seed, window=args.window,
                             stride=args.stride, ppl_windows=args.ppl_windows, agreement_windows=args.agreement_windows,
                             gen_tokens=args.gen_tokens, long_tokens=args.long_tokens, prompts=args.prompts, progress=not args.no_progress)
-    from ..defaults import check_before_load  # noqa: PLC0415
+    backend = getattr(args, "backend", "torch")
+    if backend == "torch":
+        from ..defaults import check_before_load  # noqa: PLC0415
 
-    check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
-    lm = load_from_args(args)
-    ev = Evaluator(lm, specs, settings)
+        check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
+        lm = load_from_args(args)
+        ev = Evaluator(lm, specs, settings)
+        import torch  # noqa: PLC0415
+
+        dtype, threads = str(lm.engine.dtype).replace("torch.", ""), torch.get_num_threads()
+    else:
+        lm = args.eval_backends[backend](args)
+        ev = Evaluator(lm, specs, settings, make_scorer=lm.scorer)
+        dtype, threads = lm.dtype, lm.threads
     from ..reports import machine, now, write_json  # noqa: PLC0415
     from .report import markdown  # noqa: PLC0415
 
@@ -109,13 +127,11 @@ def cmd_eval(args) -> int:
         results[t] = ev.run(t)
         seconds[t] = round(time.perf_counter() - t0, 1)
         print(markdown({t: results[t]}), file=table_out, flush=True)
-    import torch  # noqa: PLC0415
-
-    print(f"model {args.model} ({lm.describe()}), {torch.get_num_threads()} threads, {machine()}, {now()}",
-          file=table_out)
+    print(f"model {args.model} (backend {backend}, {lm.describe()}), {threads or 'default'} threads, {machine()}, "
+          f"{now()}", file=table_out)
     if args.json:
-        doc = {"command": "eval", "model": args.model, "weights": lm.weights,
-               "dtype": str(lm.engine.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+        doc = {"command": "eval", "model": args.model, "backend": backend, "weights": lm.weights,
+               "dtype": dtype, "threads": threads,
                "machine": machine(), "date": now(), "reference": "full", "configs": ev.names,
                "argv": sys.argv[1:],
                "settings": {k: v for k, v in vars(settings).items() if k not in ("progress", "data_dir")},

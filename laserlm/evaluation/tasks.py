@@ -161,26 +161,38 @@ class Evaluator:
     """Runs quality tasks for several decoding modes of one loaded model.
 
     Args:
-        lm: a :class:`laserlm.LaserLM`.
+        lm: a :class:`laserlm.LaserLM`, or a backend's model object with ``tokenizer`` and
+            ``generate(prompt, chat=, mode=, max_new_tokens=, temperature=) -> result with .token_ids`` (e.g.
+            :class:`laserlm.export.scoring.OnnxLM`).
         specs: mode specs (or objects); the full-depth reference ``"full"`` is always added first.
         settings: :class:`EvalSettings`.
+        make_scorer: ``fn(spec) -> scorer`` from a backend, each scorer with the interface used here of
+            :class:`~laserlm.evaluation.scoring.Scorer` (``score``, ``mode`` for ``lm.generate``, ``activate``,
+            ``batch_rows``, ``max_seq_len``); it checks its configuration when made. Default: a
+            :class:`~laserlm.evaluation.scoring.Scorer` on ``lm.engine``, each configuration run on a few tokens
+            first (:func:`check_runnable`).
 
     Raises:
         InvalidArgumentError: unknown mode or bad options.
         LaserLMError: a configuration that cannot run on this model (checked on a few tokens up front).
     """
 
-    def __init__(self, lm, specs, settings: EvalSettings | None = None):
+    def __init__(self, lm, specs, settings: EvalSettings | None = None, make_scorer=None):
         self.lm = lm
         self.s = settings or EvalSettings()
         names = [REFERENCE] + [s for s in specs if s != REFERENCE]
-        resolve = getattr(lm, "resolve_spec", None)  # bare adaptive/speculative -> calibrated default (api level)
-        self.scorers = {name: Scorer(lm.engine, resolve(name) if resolve else name) for name in dict.fromkeys(names)}
+        if make_scorer is None:
+            resolve = getattr(lm, "resolve_spec", None)  # bare adaptive/speculative -> calibrated default (api)
+            self.scorers = {n: Scorer(lm.engine, resolve(n) if resolve else n) for n in dict.fromkeys(names)}
+        else:
+            self.scorers = {n: make_scorer(n) for n in dict.fromkeys(names)}
+        self.max_seq_len = self.scorers[REFERENCE].max_seq_len
         self._argmax_cache: dict[tuple[str, int], torch.Tensor] = {}
         for name in self.scorers:
             if name != REFERENCE:
                 self.scorers[name].activate()
-                check_runnable(lm, name, self.scorers[name].mode)
+                if make_scorer is None:
+                    check_runnable(lm, name, self.scorers[name].mode)
 
     @property
     def names(self) -> list[str]:
@@ -206,7 +218,7 @@ class Evaluator:
         text = load_task("wikitext", self.s.data)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         prefix = tok("")["input_ids"]  # the special tokens the tokenizer adds by default (Gemma: <bos>)
-        window = min(self.s.window, self.lm.engine.max_seq_len - len(prefix) + 1)
+        window = min(self.s.window, self.max_seq_len - len(prefix) + 1)
         stride = self.s.stride or window
         wins = text_windows(len(ids), window, stride, bool(prefix))
         if not wins:
@@ -259,7 +271,7 @@ class Evaluator:
         if self.s.long_tokens < 3:
             raise InvalidArgumentError(f"--long-tokens must be >= 3, got {self.s.long_tokens}")
         tok = self.lm.tokenizer
-        n = min(self.s.long_tokens, self.lm.engine.max_seq_len + 1)
+        n = min(self.s.long_tokens, self.max_seq_len + 1)
         ids = tok(load_task("longtext", self.s.data))["input_ids"][:n]
         if len(ids) < 3:
             raise InvalidArgumentError(f"the long document has only {len(ids)} tokens")
