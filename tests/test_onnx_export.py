@@ -107,12 +107,10 @@ def test_batch_of_two_rows_matches_the_engine(tiny_llama_export):
 
 
 # -- adaptive depth ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_laser_export(tmp_path_factory):
-    """A tiny Llama with a laser file: perturbed affine exit heads and random gates at exit points 2, 4, 6 (gate
-    threshold 0.5, patience 3), so that some tokens exit and some do not."""
+def tiny_laser_file(eng, path):
+    """A laser file for a tiny Llama of :func:`tiny_llama` (8 layers, d=64): perturbed affine exit heads and random
+    gates at exit points 2, 4, 6 (gate threshold 0.5, patience 3), so that some tokens exit and some do not."""
     torch.manual_seed(0)
-    eng = Engine(tiny_llama(seed=1), max_seq_len=MAX_LEN)
     heads, gates = {}, {}
     for e in (2, 4, 6):
         heads[e] = ExitHead(eng.adapter, "affine")
@@ -121,10 +119,17 @@ def tiny_laser_export(tmp_path_factory):
             heads[e].proj.weight.add_(torch.randn(64, 64) * 0.05)
             gates[e].linear.weight.normal_(0, 0.5)
             gates[e].linear.bias.zero_()
-    d = tmp_path_factory.mktemp("laser")
-    path = save_laser_file(d / "tiny.laser", eng, LaserArtifact(
+    return save_laser_file(path, eng, LaserArtifact(
         heads=heads, gates=gates, thresholds={"gate_threshold": 0.5},
         config={"groups": "2", "min_depth": 2, "policy": "gate", "patience": 3}))
+
+
+@pytest.fixture(scope="module")
+def tiny_laser_export(tmp_path_factory):
+    """A tiny Llama exported with the laser file of :func:`tiny_laser_file`."""
+    eng = Engine(tiny_llama(seed=1), max_seq_len=MAX_LEN)
+    d = tmp_path_factory.mktemp("laser")
+    path = tiny_laser_file(eng, d / "tiny.laser")
     out = d / "onnx"
     man = export_onnx(eng, out, laser=path, progress=False)
     assert [e["adapter"] for e in man["exits"]] == ["exit_2", "exit_4", "exit_6"]
