@@ -109,13 +109,13 @@ class OnnxLM:
         threads: onnxruntime intra-op threads (default: onnxruntime's).
 
     Attributes: ``model`` (:class:`~laserlm.export.runtime.OnnxModel`), ``tokenizer``, ``eos_ids``,
-    ``max_seq_len`` (the export's max length), ``weights`` (``fp32``), ``dtype`` (``float32``), ``threads``.
+    ``max_seq_len`` (the export's max length), ``weights`` (the manifest's: ``fp32``, or the blocks of a quantized
+    export), ``dtype`` (of the activations: ``float32``), ``threads``.
 
     Raises:
         ModelNotFoundError / CorruptModelError: no valid export at ``path``, or it has no readable tokenizer.
     """
 
-    weights = "fp32"
     dtype = "float32"
 
     def __init__(self, path, threads: int | None = None):
@@ -124,6 +124,7 @@ class OnnxLM:
         self.tokenizer = load_tokenizer(self.model)
         self.eos_ids = set(self.model.manifest["model"].get("eos_token_ids", []))
         self.max_seq_len = self.model.max_len
+        self.weights = self.model.manifest.get("weights", "fp32")
 
     def mode(self, spec="full") -> OnnxDecoder:
         """The decoder of a mode spec (``full`` or ``adaptive[:options]``, :func:`make_onnx_mode`), or ``spec``
@@ -163,10 +164,10 @@ class OnnxLM:
         return self.stream(prompt, chat=chat, mode=mode, **sampling).run()
 
     def describe(self) -> str:
-        """One line: graph dtype, layer groups, exit points, laser file, declared shapes."""
+        """One line: graph weights, layer groups, exit points, laser file, declared shapes."""
         man = self.model.manifest
         laser = (man.get("laser") or {}).get("source")
-        return (f"float32 graphs, {self.model.num_layers} layers in groups {man.get('groups_spec')}, "
+        return (f"{self.weights} graphs, {self.model.num_layers} layers in groups {man.get('groups_spec')}, "
                 f"exit points {[e['layer'] for e in man['exits']]}" + (f", laser file {laser}" if laser else "")
                 + f", max len {self.max_seq_len}, max batch {self.model.max_batch}")
 
