@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .training import cli as training_cli  # noqa: PLC0415
 
     eval_cli.add_parser(sub, backends={"onnxruntime": export_cli.open_backend})
-    for module in (bench_cli, training_cli, profile_cli, serve_cli, export_cli):
+    bench_cli.add_parser(sub, onnx=export_cli.open_decoders)
+    for module in (training_cli, profile_cli, serve_cli, export_cli):
         module.add_parser(sub)
     return parser
 

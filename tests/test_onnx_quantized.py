@@ -128,17 +128,44 @@ def test_bad_settings_are_refused(tmp_path):
         quantize_graph(tmp_path / "none.onnx", {}, {}, accuracy_level=3)
 
 
-def test_smollm2_native_blocks_equal_the_gguf_dequantized_engine(smol, tmp_path):
-    """SmolLM2's own Q4_1 / Q8_0 blocks in MatMulNBits (accuracy level 0) give the float32 engine's logits, whose
-    weights transformers dequantized from the same GGUF file with ``gguf``; greedy tokens identical for 16 steps."""
+@pytest.fixture(scope="module")
+def smol_native_export(smol, tmp_path_factory):
+    """SmolLM2 exported with its own GGUF blocks, accuracy level 0 (max_len 128)."""
     import laserlm
 
     native = laserlm.load("smollm2-135m", weights="native", max_seq_len=128)
-    man = export_onnx(smol.engine, tmp_path, max_len=128, progress=False, tokenizer=smol.tokenizer,
+    out = tmp_path_factory.mktemp("onnx_smol_native")
+    man = export_onnx(smol.engine, out, max_len=128, progress=False, tokenizer=smol.tokenizer,
                       packed=native.engine, accuracy_level=0)
+    return out, man
+
+
+def test_smollm2_native_blocks_equal_the_gguf_dequantized_engine(smol, smol_native_export):
+    """SmolLM2's own Q4_1 / Q8_0 blocks in MatMulNBits (accuracy level 0) give the float32 engine's logits, whose
+    weights transformers dequantized from the same GGUF file with ``gguf``; greedy tokens identical for 16 steps."""
+    out, man = smol_native_export
     assert man["weights"] == "native" and man["quantized"]["matrices"]["Q4_1"] >= 210
-    dec = make_onnx_mode(OnnxModel(tmp_path, threads=1), "full")
+    dec = make_onnx_mode(OnnxModel(out, threads=1), "full")
     ids = torch.tensor(smol.tokenizer("The capital of France is Paris. The capital of Germany is")["input_ids"])
     ref, got, worst = full_depth_pair(smol.engine, dec, ids, 16)
     assert got == ref
     assert worst < 1e-4
+
+
+def test_bench_measures_the_export_alone_and_beside_the_engine(smol_native_export, tmp_path, capsys):
+    from laserlm.cli import main
+
+    out, _ = smol_native_export
+    common = ["--tests", "pp,tg", "-p", "8", "-n", "3", "--reps", "1", "--warmup", "0", "--no-progress", "-t", "1"]
+    js = tmp_path / "ort.json"
+    assert main(["bench", "--backend", "onnxruntime", "--model", str(out), "--json", str(js), *common]) == 0
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["full [onnxruntime native]"]
+    assert rows[0]["tg_tokens_per_s"] > 0 and rows[0]["layers_per_token"] == 30
+    js2 = tmp_path / "both.json"
+    assert main(["bench", "--weights", "fp32", "--onnx", str(out), "--no-hf", "--no-llamacpp", "--json", str(js2),
+                 *common]) == 0
+    assert [r["config"] for r in json.loads(js2.read_text())["rows"]] == ["full", "full [onnxruntime native]"]
+    capsys.readouterr()
+    assert main(["bench", "--backend", "onnxruntime", "--model", str(out), "--weights", "int4", *common]) == 2
+    assert "--backend onnxruntime" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import sys
 from ..cli_common import (
     add_config_args,
     add_model_args,
+    apply_threads,
     check_output_path,
     config_specs,
     global_attention_config,
@@ -20,7 +21,10 @@ from ..errors import InvalidArgumentError, LaserLMError
 TESTS = ("pp", "tg", "gen")
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, onnx=None) -> None:
+    """Register ``bench``. ``onnx``: ``open(dirs, specs, args) -> (decoders, notes, source)`` (what
+    :func:`laserlm.export.cli.open_decoders` returns; the CLI passes it in, the tools do not import each other);
+    without it ``--backend onnxruntime`` and ``--onnx`` are errors."""
     p = sub.add_parser(
         "bench", help="measure speed: pp/tg tokens/s, TTFT, TPOT, ITL, memory, layers per token",
         description="Benchmark decoding-mode configurations side by side (interleaved repetitions) with the "
@@ -44,13 +48,20 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
                    help="attention implementation of the transformers baseline (default: %(default)s)")
     p.add_argument("--no-llamacpp", action="store_true", help="skip llama.cpp even when llama_cpp is importable")
+    p.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
+                   help="torch: laserlm's engine; onnxruntime: --model is a `laserlm export onnx` directory and only "
+                        "its graphs are measured (modes full and adaptive; no transformers / llama.cpp baseline) "
+                        "(default: %(default)s)")
+    p.add_argument("--onnx", action="append", default=[], metavar="DIR",
+                   help="also measure this `laserlm export onnx` directory on onnxruntime, next to the engine, for "
+                        "each --config it can run (full, adaptive); repeatable")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write results as JSON to PATH ('-' or no value: stdout, table goes to stderr)")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG plot")
     p.add_argument("--quality", default=None, metavar="EVAL.json",
                    help="a `laserlm eval --json` file: the plot becomes quality vs speed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, open_onnx=onnx)
 
 
 def _gguf_path(model: str):
@@ -110,30 +121,44 @@ def cmd_bench(args) -> int:
     specs = global_attention_config(args, config_specs(args))
     from ..defaults import check_before_load  # noqa: PLC0415
 
-    check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
-    lms, prefill = [], args.prefill_dtype
-    for w in weights:  # --prefill-dtype concerns the quantized formats of the list; float ones keep their own
-        args.weights, args.prefill_dtype = w, ("auto" if w in ("fp32", "bf16") else prefill)
-        lms.append(load_from_args(args))
-    lm = lms[0]
-    args.weights, args.prefill_dtype = ",".join(weights), prefill
-    resolved = [one.weights for one in lms]
-    if len(set(resolved)) != len(resolved):
-        raise InvalidArgumentError(f"--weights {args.weights} resolves to the same format twice ({', '.join(resolved)})")
+    onnx_dirs = list(args.onnx)
+    if args.backend == "onnxruntime":
+        apply_threads(args)
+        onnx_dirs.insert(0, args.model)
+        args.no_hf = args.no_llamacpp = True
+        lms = []
+    else:
+        check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
+        lms, prefill = [], args.prefill_dtype
+        for w in weights:  # --prefill-dtype concerns the quantized formats of the list; float ones keep their own
+            args.weights, args.prefill_dtype = w, ("auto" if w in ("fp32", "bf16") else prefill)
+            lms.append(load_from_args(args))
+        args.weights, args.prefill_dtype = ",".join(weights), prefill
+        resolved = [one.weights for one in lms]
+        if len(set(resolved)) != len(resolved):
+            raise InvalidArgumentError(f"--weights {args.weights} resolves to the same format twice "
+                                       f"({', '.join(resolved)})")
     import torch  # noqa: PLC0415
 
     from ..runtime.generate import encode_prompt  # noqa: PLC0415
     from .measure import GEN_PROMPT, EngineTarget, HFTarget, LlamaCppTarget, random_prompt, run_bench, summarize  # noqa: PLC0415
     from .report import markdown, plot  # noqa: PLC0415
 
-    eng = lm.engine
-    chat = bool(getattr(lm.tokenizer, "chat_template", None))
-    gen_ids = encode_prompt(lm.tokenizer, GEN_PROMPT, chat, eng.max_seq_len)
+    onnx_targets, onnx_notes, onnx_source = _onnx_targets(args, onnx_dirs, specs)
+    lm = lms[0] if lms else None
+    tokenizer, max_len, vocab = ((lm.tokenizer, lm.engine.max_seq_len, lm.engine.config.vocab_size) if lm else
+                                 onnx_source)
+    if lm is not None and onnx_source is not None and onnx_source[2] != vocab:
+        raise InvalidArgumentError(f"--onnx: the export has a vocabulary of {onnx_source[2]} tokens, {args.model} "
+                                   f"{vocab}: not the same model")
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    gen_ids = encode_prompt(tokenizer, GEN_PROMPT, chat, max_len)
     need = max(args.n_prompt + 1, gen_ids.shape[0] + args.n_gen, args.n_gen + 1)
-    if need > eng.max_seq_len:
-        raise InvalidArgumentError(f"the tests need {need} positions but the context size is {eng.max_seq_len}; "
-                                   "lower --n-prompt/--n-gen or raise --ctx-size")
-    prompt_ids = random_prompt(eng.config.vocab_size, args.n_prompt, args.seed)
+    max_len = min([max_len] + [t.decoder.model.max_len for t in onnx_targets])
+    if need > max_len:
+        raise InvalidArgumentError(f"the tests need {need} positions but the context size is {max_len}; "
+                                   "lower --n-prompt/--n-gen or raise --ctx-size (or the export's --max-len)")
+    prompt_ids = random_prompt(vocab, args.n_prompt, args.seed)
     targets = []
     for spec, one in [(spec, one) for one in lms for spec in specs]:
         t = EngineTarget(one, one.resolve_spec(spec))  # bare adaptive/speculative: the calibrated default
@@ -145,7 +170,11 @@ def cmd_bench(args) -> int:
         except Exception as exc:  # noqa: BLE001
             raise LaserLMError(f"configuration '{spec}' cannot run on this model: {type(exc).__name__}: {exc}") from exc
         targets.append(t)
-    notes = []
+    targets += onnx_targets
+    notes = onnx_notes
+    if args.backend == "onnxruntime":
+        notes.append("--backend onnxruntime: no transformers / llama.cpp baseline (run bench on the source model "
+                     "with --onnx DIR for them side by side)")
     if not args.no_hf:
         targets.append(HFTarget(lm, args.hf_attn))
     if not args.no_llamacpp:
@@ -179,7 +208,8 @@ def cmd_bench(args) -> int:
         r["utilization"] = utilization(b["total"], r["tg_tokens_per_s"], bandwidth)
     from ..reports import machine, now, write_json  # noqa: PLC0415
 
-    header = (f"model {args.model}, {'; '.join(one.describe() for one in lms)}, {torch.get_num_threads()} threads, reps {args.reps} after "
+    described = [one.describe() for one in lms] + [f"{t.name}: {t.decoder.model.path}" for t in onnx_targets]
+    header = (f"model {args.model}, {'; '.join(described)}, {torch.get_num_threads()} threads, reps {args.reps} after "
               f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 512 MiB, best of 5; util = tg bytes/token "
               f"x tok/s / bandwidth); "
@@ -195,10 +225,34 @@ def cmd_bench(args) -> int:
              args.n_gen, args.quality_doc)
         print(f"plot written to {args.plot}", file=out)
     if args.json:
-        doc = {"command": "bench", "model": args.model, "weights": [one.weights for one in lms],
-               "dtype": str(lm.engine.dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+        doc = {"command": "bench", "model": args.model, "backend": args.backend,
+               "weights": [one.weights for one in lms] + [t.weights for t in onnx_targets],
+               "onnx": [str(t.decoder.model.path) for t in onnx_targets],
+               "dtype": str(lm.engine.dtype).replace("torch.", "") if lm else "float32", "threads": torch.get_num_threads(),
                "n_prompt": args.n_prompt, "n_gen": args.n_gen, "reps": args.reps, "warmup": args.warmup,
                "tests": tests, "read_bandwidth_bytes_per_s": bandwidth, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,
                "rows": rows, "raw": {n: vars(s) for n, s in samples.items()}}
         write_json(doc, args.json)
     return 0
+
+
+def _onnx_targets(args, dirs: list[str], specs: list[str]):
+    """``(targets, notes, (tokenizer, max_len, vocab) of the first export or None)``: an
+    :class:`~laserlm.bench.measure.OnnxTarget` per export directory and spec that its graphs run.
+
+    Raises:
+        LaserLMError: no onnxruntime backend registered; see :func:`laserlm.export.cli.open_decoders`.
+    """
+    if not dirs:
+        return [], [], None
+    if getattr(args, "open_onnx", None) is None:
+        raise LaserLMError("this bench has no onnxruntime backend")
+    from .measure import OnnxTarget  # noqa: PLC0415
+
+    decoders, notes, source = args.open_onnx(dirs, specs, args)
+    targets = []
+    for name, weights, dec in decoders:
+        t = OnnxTarget(dec, name)
+        t.weights = weights
+        targets.append(t)
+    return targets, notes, source

@@ -113,7 +113,24 @@ def random_prompt(vocab: int, n: int, seed: int) -> torch.Tensor:
     return torch.randint(min(100, vocab - 1), vocab, (n,), generator=g)
 
 
-class EngineTarget:
+class _TokenTarget:
+    """pp / tg / gen from a ``_events(ids, n) -> [TokenEvent]`` greedy run (laserlm's engine and its onnxruntime
+    backend both emit :class:`~laserlm.runtime.generate.TokenEvent`)."""
+
+    def pp(self, ids) -> float:
+        ev = self._events(ids, 1)
+        return ids.shape[0] / ev[0].seconds
+
+    def tg(self, first_token, n) -> tuple[float, list[float]]:
+        ev = self._events(first_token, n)
+        return n / sum(e.seconds for e in ev), [e.layers for e in ev]
+
+    def gen(self, ids, n) -> tuple[float, list[float], list[float]]:
+        ev = self._events(ids, n)
+        return ev[0].seconds, [e.seconds for e in ev[1:]], [e.layers for e in ev]
+
+
+class EngineTarget(_TokenTarget):
     """A laserlm decoding mode on the shared engine, measured through ``mode.tokens``."""
 
     def __init__(self, lm, spec: str):
@@ -129,23 +146,31 @@ class EngineTarget:
         with torch.inference_mode():
             return list(generate_tokens(self.lm.engine, self.mode, ids, greedy, n))
 
-    def pp(self, ids) -> float:
-        ev = self._events(ids, 1)
-        return ids.shape[0] / ev[0].seconds
-
-    def tg(self, first_token, n) -> tuple[float, list[float]]:
-        ev = self._events(first_token, n)
-        return n / sum(e.seconds for e in ev), [e.layers for e in ev]
-
-    def gen(self, ids, n) -> tuple[float, list[float], list[float]]:
-        ev = self._events(ids, n)
-        return ev[0].seconds, [e.seconds for e in ev[1:]], [e.layers for e in ev]
-
     def kv_bytes(self, tokens: int) -> tuple[int, int]:
         """A request allocates its own KV cache of prompt + max_new_tokens positions (``Engine.new_cache``), so
         for the generation run allocated = used = ``tokens`` positions."""
         cache = self.lm.engine.new_cache(tokens)
         return cache.nbytes, cache.nbytes
+
+
+class OnnxTarget(_TokenTarget):
+    """A mode (``full`` / ``adaptive[...]``) of an ONNX export on onnxruntime (:mod:`laserlm.export.runtime`),
+    measured through the decoder's token source (the same loop as ``generate --backend onnxruntime``)."""
+
+    def __init__(self, decoder, name: str):
+        self.decoder, self.name = decoder, name
+        self.source = decoder.token_source()
+
+    def _events(self, ids, n):
+        greedy = SamplingParams(max_new_tokens=n, temperature=0.0)
+        with torch.inference_mode():
+            return list(self.source(ids, greedy, n))
+
+    def kv_bytes(self, tokens: int) -> tuple[int, int]:
+        """float32 numpy K/V of ``tokens`` positions in every layer (the cache grows as it is filled)."""
+        m = self.decoder.model.manifest["model"]
+        used = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4 * tokens
+        return used, used
 
 
 class _Clock:

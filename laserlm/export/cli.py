@@ -98,7 +98,7 @@ def cmd_export_onnx(args) -> int:
 
 
 def check_onnx_args(args) -> None:
-    """Refuse the model-loading options that the exported float32 graphs do not have (``generate`` and ``eval``
+    """Refuse the model-loading options that the exported graphs do not have (``generate`` and ``eval``
     with ``--backend onnxruntime``).
 
     Raises:
@@ -106,7 +106,8 @@ def check_onnx_args(args) -> None:
             option, or ``--ctx-size`` given.
     """
     if getattr(args, "weights", "auto") != "auto" or getattr(args, "dtype", None) is not None:
-        raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --weights/--dtype")
+        raise InvalidArgumentError("--backend onnxruntime runs the exported graphs, whose weights `laserlm export onnx "
+                                   "--weights` chose: drop --weights/--dtype")
     if getattr(args, "prefill_dtype", "auto") != "auto":
         raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --prefill-dtype")
     sparse = ("sparse_threshold", "sparse_mass", "block_size", "dense_layers")
@@ -160,3 +161,44 @@ def run_generate(args, prompt: str, sampling: dict) -> int:
           f"{r.ttft_s * 1000:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s, {r.mean_layers_per_token:.1f} layers/token, "
           f"finish: {r.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def open_decoders(dirs: list[str], specs: list[str], args):
+    """What ``laserlm bench`` measures on onnxruntime (``--backend onnxruntime`` / ``--onnx DIR``): ``(decoders,
+    notes, (tokenizer, max_len, vocab) of the first export)``, ``decoders`` a list of ``(name, weights, decoder)``
+    for every export directory and spec that its graphs run (``full``, ``adaptive[...]``); a spec they cannot run
+    is skipped with a note, unless none runs.
+
+    Raises:
+        InvalidArgumentError: :func:`check_onnx_args` (``--backend onnxruntime``), or no spec runs on a directory.
+        ModelNotFoundError / CorruptModelError: not an export directory, or it has no tokenizer.
+    """
+    if getattr(args, "backend", "torch") == "onnxruntime":
+        check_onnx_args(args)
+    import torch  # noqa: PLC0415
+
+    from .runtime import OnnxModel, make_onnx_mode  # noqa: PLC0415
+    from .scoring import load_tokenizer  # noqa: PLC0415
+
+    decoders, notes, source = [], [], None
+    for d in dirs:
+        model = OnnxModel(d, threads=torch.get_num_threads())
+        if source is None:
+            source = (load_tokenizer(model), model.max_len, model.manifest["model"]["vocab_size"])
+        weights = f"onnxruntime {model.manifest.get('weights', 'fp32')}"
+        errors = []
+        for spec in specs:
+            try:
+                dec = make_onnx_mode(model, spec)
+            except InvalidArgumentError as exc:
+                errors.append(f"{spec}: {exc}")
+                continue
+            name = f"{spec} [{weights}]"
+            if any(n == name for n, _, _ in decoders):
+                name = f"{spec} [{weights}: {d}]"
+            decoders.append((name, weights, dec))
+        if len(errors) == len(specs):
+            raise InvalidArgumentError(f"--onnx {d}: no configuration runs on onnxruntime ({'; '.join(errors)})")
+        notes += [f"onnxruntime {d}: skipped {e}" for e in errors]
+        model.warm()
+    return decoders, notes, source
