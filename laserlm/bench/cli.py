@@ -250,9 +250,4 @@ def _onnx_targets(args, dirs: list[str], specs: list[str]):
     from .measure import OnnxTarget  # noqa: PLC0415
 
     decoders, notes, source = args.open_onnx(dirs, specs, args)
-    targets = []
-    for name, weights, dec in decoders:
-        t = OnnxTarget(dec, name)
-        t.weights = weights
-        targets.append(t)
-    return targets, notes, source
+    return [OnnxTarget(dec, name, weights) for name, weights, dec in decoders], notes, source

@@ -157,8 +157,8 @@ class OnnxTarget(_TokenTarget):
     """A mode (``full`` / ``adaptive[...]``) of an ONNX export on onnxruntime (:mod:`laserlm.export.runtime`),
     measured through the decoder's token source (the same loop as ``generate --backend onnxruntime``)."""
 
-    def __init__(self, decoder, name: str):
-        self.decoder, self.name = decoder, name
+    def __init__(self, decoder, name: str, weights: str):
+        self.decoder, self.name, self.weights = decoder, name, weights
         self.source = decoder.token_source()
 
     def _events(self, ids, n):

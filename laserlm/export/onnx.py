@@ -111,6 +111,8 @@ def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, ma
         raise InvalidArgumentError(f"--max-len must be in 2-{engine.max_seq_len} (the context size), got {max_len}")
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise InvalidArgumentError(f"--max-batch must be a positive integer, got {max_batch!r}")
+    if packed is not None:  # before the export, which takes seconds to minutes
+        _check_packed(engine, packed, accuracy_level)
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"--out {out} is a file; give a directory")
@@ -218,15 +220,10 @@ def _quantize_graphs(engine, packed, out: Path, graphs: dict, accuracy_level: in
     hashes; returns ``{"accuracy_level", "matrices": {format: count}, "float_matmuls": count}``.
 
     Raises:
-        InvalidArgumentError: ``packed`` is another model, or has no blocks.
+        InvalidArgumentError: no graph matrix has ``packed``'s blocks.
     """
-    from ..models.weights_hash import weights_sha256  # noqa: PLC0415
     from . import quantize as Q  # noqa: PLC0415
 
-    if not getattr(packed, "_packed", None):
-        raise InvalidArgumentError(f"packed weights must be native, int4 or int8, not {packed.weights}")
-    if weights_sha256(packed.model) != weights_sha256(engine.model):
-        raise InvalidArgumentError("the packed model is not the exported one (weight hash differs)")
     index, blocks = Q.weight_index(engine.model), Q.packed_blocks(packed.model)
     formats, kept = {}, 0
     for name, g in graphs.items():
@@ -243,8 +240,23 @@ def _quantize_graphs(engine, packed, out: Path, graphs: dict, accuracy_level: in
     return {"accuracy_level": accuracy_level, "matrices": formats, "float_matmuls": kept}
 
 
+def _check_packed(engine, packed, accuracy_level: int) -> None:
+    """Raises InvalidArgumentError: ``packed`` has no packed layers or is another model than ``engine``'s, or
+    ``accuracy_level`` is not one of :data:`laserlm.export.quantize.ACCURACY_LEVELS`."""
+    from ..models.weights_hash import weights_sha256  # noqa: PLC0415
+    from .quantize import check_accuracy_level  # noqa: PLC0415
+
+    check_accuracy_level(accuracy_level)
+    if not getattr(packed, "_packed", None):
+        raise InvalidArgumentError(f"packed weights must be native, int4 or int8, not {packed.weights}")
+    if weights_sha256(packed.model) != weights_sha256(engine.model):
+        raise InvalidArgumentError("the packed model is not the exported one (weight hash differs)")
+
+
 def _weights_name(packed) -> str:
     """The manifest's ``weights``: ``fp32``, the packed engine's format, or ``packed`` (packed outside the loader)."""
+    from ..models.quant import QUANTIZED_FORMATS  # noqa: PLC0415
+
     if packed is None:
         return "fp32"
-    return packed.weights if packed.weights in ("native", "int4", "int8") else "packed"
+    return packed.weights if packed.weights in QUANTIZED_FORMATS else "packed"

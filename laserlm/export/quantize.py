@@ -115,6 +115,12 @@ def nbits_arrays(blocks: torch.Tensor, fmt: int, k: int) -> dict:
     return {"bits": 4, "B": packed, "scales": d.reshape(-1), "C": np.ascontiguousarray(c.T)}
 
 
+def check_accuracy_level(accuracy_level) -> None:
+    """Raises InvalidArgumentError: ``accuracy_level`` not in :data:`ACCURACY_LEVELS`."""
+    if accuracy_level not in ACCURACY_LEVELS:
+        raise InvalidArgumentError(f"--accuracy-level must be one of {ACCURACY_LEVELS}, got {accuracy_level}")
+
+
 def quantize_graph(path, index: dict, blocks: dict, accuracy_level: int = 4) -> dict:
     """Rewrite the graph file ``path`` in place: each ``MatMul`` whose constant input is a projection with blocks
     becomes ``MatMulNBits`` (+ the Q4_1 correction). Returns ``{"quantized": {name: format}, "float": count}``.
@@ -127,8 +133,7 @@ def quantize_graph(path, index: dict, blocks: dict, accuracy_level: int = 4) -> 
 
     from ..models.quant import FORMAT_NAMES, QK  # noqa: PLC0415
 
-    if accuracy_level not in ACCURACY_LEVELS:
-        raise InvalidArgumentError(f"--accuracy-level must be one of {ACCURACY_LEVELS}, got {accuracy_level}")
+    check_accuracy_level(accuracy_level)
     model = onnx.load(str(path))
     g = model.graph
     inits = {t.name: t for t in g.initializer}
