@@ -165,7 +165,9 @@ def cmd_batch(args) -> int:
     s = lm.last_batch_summary
     print(f"[{len(results)} requests, {n} tokens in {seconds:.1f} s: {n / seconds:.1f} tok/s, "
           f"{60 * len(results) / seconds:.1f} requests/min; prefix hits {s['prefix_hit_tokens']} tokens, "
-          f"{s['evicted_pages']} pages evicted]", file=sys.stderr)
+          f"{s['evicted_pages']} pages evicted"
+          + (f", {s['skipped_pages']} pages of skipped layers returned" if s.get("skipped_pages") else "") + "]",
+          file=sys.stderr)
     return 0
 
 

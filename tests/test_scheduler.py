@@ -296,6 +296,44 @@ def test_adaptive_requests_batch_with_their_own_exits(smol):
     assert not make_mode("adaptive:policy=confidence,threshold=0.8,bridge=none", eng).batchable(eng)
 
 
+def test_none_bridge_returns_the_pages_of_skipped_layers(smol):
+    """Under the ``none`` bridge a page whose positions all skipped its layer goes back to the pool: the tokens are
+    still those of the request alone on a contiguous cache, and the pages released (and the reservation lowered)
+    are exactly the (page, layer) pairs that the exit layers say hold no K/V: a page at layer j is empty when every
+    token in it exited at or before layer j."""
+    eng, tok = smol.engine, smol.tokenizer
+    L, ps, n = eng.num_layers, 4, 40
+    mode = make_mode("adaptive:policy=confidence,threshold=0.3,bridge=none,patience=0", eng)
+    ids = torch.tensor(tok(PROMPTS[1])["input_ids"])
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    expected = [(ev.token_id, ev.layers) for ev in generate_tokens(eng, mode, ids, params, n)]
+    sched = Scheduler(eng, BatchConfig(kv_budget="32MiB", page_size=ps), smol.eos_ids)
+    rid = sched.submit(ids, params, mode)
+    reserved = sched.pool.reserved
+    sched.step()  # prefill
+    for _ in range(n - 1):
+        sched.step()
+        if sched.get(rid).status == "finished":
+            break
+        held = sched.get(rid).request.cache.owned_pages()
+        assert sched.pool.reserved == reserved - sched.pool.stats["skipped_pages"]
+        assert held <= sched.pool.reserved
+    seq = sched.get(rid)
+    assert [(e.token_id, e.layers) for e in seq.events] == expected
+    # the independent count: decode event k ran the token at position P + k - 1 and exited after `layers` layers
+    P = ids.numel()
+    exit_at = {P + k - 1: int(e.layers) for k, e in enumerate(seq.events) if k >= 1}
+    last = max(exit_at)
+    want = 0
+    for page in range(-(-P // ps), (last + 1) // ps):  # pages that hold no prompt position and are full
+        deepest = max(exit_at[p] for p in range(page * ps, (page + 1) * ps))
+        want += L - deepest
+    assert want > 0  # tokens did exit early enough to empty whole pages
+    assert sched.pool.stats["skipped_pages"] == want
+    sched.pool.check()
+    assert sched.pool.used_pages == 0 and sched.pool.reserved == 0
+
+
 def test_speculative_requests_batch_above_the_threshold(smol):
     """Speculative requests (n-gram drafts) under continuous batching: up to ``batch_above`` of them each run their
     own draft + verify cycle; more take one plain batched full-depth step together. Either way greedy output is the

@@ -9,7 +9,8 @@
   The scheduler (:mod:`laserlm.depth.scheduler`) does the batching; the pending token is kept in the
   request's state.
 - :class:`NoneBridge` (D-LLM, Jiang et al. 2024): the slot stays empty and is masked at the skipped layers
-  through ``AttentionContext.key_valid``.
+  through ``AttentionContext.key_valid``. On the paged KV pool a page whose positions all skipped its layer is
+  returned to the pool (:meth:`laserlm.runtime.kv_pool.PagedCache.release_skipped`).
 """
 
 from __future__ import annotations
@@ -95,10 +96,14 @@ class NoneBridge(Bridge):
         state.ctx.key_valid = rs.valid
 
     def on_exit(self, engine, state, layer, hidden, token_id, rs):
+        cache = state.window.cache
         for j in range(layer, engine.num_layers):
             if j not in rs.valid:
-                rs.valid[j] = torch.ones(state.window.cache.max_len, dtype=torch.bool)
+                rs.valid[j] = torch.ones(cache.max_len, dtype=torch.bool)
             rs.valid[j][state.start] = False
+        release = getattr(cache, "release_skipped", None)  # the paged pool: pages with no K/V go back
+        if release is not None:
+            release({j: rs.valid[j] for j in range(layer, engine.num_layers)}, state.start)
         return engine.num_layers - layer
 
 

@@ -17,6 +17,17 @@ back when it finishes or is cancelled (:meth:`PagedCache.free`).
 Because the table is per layer, a policy can drop a page of one layer and keep the same positions in the
 others (the seed's depth-aware eviction, :mod:`laserlm.runtime.eviction`).
 
+Skipped layers need no page
+---------------------------
+Under the ``none`` bridge (D-LLM) a token that exits after layer ``e`` writes no K/V at layers ``e..L-1``: its slots
+there are masked holes. When the token that closes a page (its last slot) has been run,
+:meth:`PagedCache.release_skipped` returns that page at every layer where **none** of its ``page_size`` positions
+holds K/V (every token of the page exited before that layer): the page goes back to the pool and the scheduler
+lowers the request's reservation by one page, so the saving admits other requests. A page is taken when its first
+position is written and is only known to be empty when it is full, so a request still holds the page being filled
+at every layer; the saving is in the pages behind it. The ``propagate`` and ``deferred`` bridges write every
+layer and release nothing.
+
 Reading through the table
 -------------------------
 A forward opens a :class:`PagedWindow` (the object the attention modules receive as ``cache=``, like
@@ -131,7 +142,8 @@ class KVPool:
         ref: reference count of each page.
         reserved: pages promised to admitted requests (the scheduler's admission control).
         stats: counters (``prefix_hit_pages``, ``prefix_query_pages``, ``evicted_pages``, ``cow_copies``,
-            ``compactions``, ``moved_pages``).
+            ``compactions``, ``moved_pages``, ``cached_pages_reused``, ``skipped_pages``: pages returned because
+            every position in them skipped their layer, :meth:`PagedCache.release_skipped`).
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
@@ -152,7 +164,7 @@ class KVPool:
         self.budget_text = budget_text or f"{num_pages} pages"
         self.caches: set = set()  # live PagedCaches (compaction rewrites their tables)
         self.stats = {"prefix_hit_pages": 0, "prefix_query_pages": 0, "evicted_pages": 0, "cow_copies": 0,
-                      "compactions": 0, "moved_pages": 0, "cached_pages_reused": 0}
+                      "compactions": 0, "moved_pages": 0, "cached_pages_reused": 0, "skipped_pages": 0}
 
     @classmethod
     def for_engine(cls, engine, budget=None, page_size: int = DEFAULT_PAGE_SIZE) -> KVPool:
@@ -338,6 +350,8 @@ class PagedCache(CachePositions):
         table: ``[num_layers, ceil(max_len / page_size)]`` int64 physical page of each logical page (0 = none).
         length: committed positions.
         evicted: pages this cache has evicted.
+        skipped: pages this cache returned because no position in them holds K/V at their layer (the ``none``
+            bridge, :meth:`release_skipped`).
     """
 
     batch_size = 1
@@ -348,6 +362,7 @@ class PagedCache(CachePositions):
         self.table = torch.zeros(pool.num_layers, max(1, math.ceil(self.max_len / pool.page_size)), dtype=torch.long)
         self.num_logical = 0  # logical pages allocated so far (all layers)
         self.evicted = 0
+        self.skipped = 0
         self.shared_positions = 0  # prefix positions taken from the cache
         self.freed = False
         pool.caches.add(self)
@@ -403,6 +418,31 @@ class PagedCache(CachePositions):
             self.table[layer, logical] = 0
             self.evicted += 1
             self.pool.stats["evicted_pages"] += 1
+
+    def release_skipped(self, valid: dict, position: int) -> int:
+        """Return the pages that the token at ``position`` closed and that hold no K/V (the ``none`` bridge).
+
+        Args:
+            valid: ``layer -> [max_len]`` bool, False where a position has no K/V at that layer (the bridge's
+                masks, :class:`~laserlm.depth.bridge.NoneBridge`).
+            position: the token just run; only when it is the last slot of its page is that page complete.
+
+        Returns the number of pages released (also counted in ``skipped`` and the pool's ``skipped_pages``).
+        """
+        ps = self.pool.page_size
+        if (position + 1) % ps:
+            return 0
+        i = position // ps
+        n = 0
+        for layer, mask in valid.items():
+            p = int(self.table[layer, i])
+            if p and not bool(mask[i * ps:(i + 1) * ps].any()):
+                self.pool.release(p)
+                self.table[layer, i] = 0
+                n += 1
+        self.skipped += n
+        self.pool.stats["skipped_pages"] += n
+        return n
 
     def kept_pages(self, layer: int) -> list[int]:
         """Logical pages of ``layer`` that still hold K/V."""
@@ -536,14 +576,14 @@ class PagedWindow:
             for r, c in enumerate(rows):
                 w = min(n_log, c.table.shape[1])
                 self._tables[r, :, :w] = c.table[:, :w]
-        self._holes = any(c.evicted for c in rows)
+        self._holes = any(c.evicted or c.skipped for c in rows)
         self._batched = positions.dim() == 2
         self._kpos_all = None
 
     # -- read-only views for the compiled kernels (runtime/packed_layers.py), which read and write the pages directly
     @property
     def evicted(self) -> bool:
-        """Some row has evicted pages (its K/V are then not simply its pages in order)."""
+        """Some row has evicted or skipped pages (its K/V are then not simply its pages in order)."""
         return self._holes
 
     @property

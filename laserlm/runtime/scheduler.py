@@ -16,12 +16,13 @@ Each :meth:`Scheduler.step`
    step). A prompt's last part goes through the request's mode (``mode.prefill``), which gives the first
    token. Modes whose prefill is not full depth (``prefill_key`` unset: static pruning) run their whole prompt
    in one step, through the mode;
-3. **decodes** one step of every request past its prompt: requests whose mode can be batched (full depth, with
-   dense attention) run as **one** batched forward, each row at its own position, with its own sampling
-   parameters and RNG; the others (adaptive depth, speculative, pruning, sparse attention) take their mode's own
-   step one request after another in the same iteration. Per-row exits inside one batched forward save no
-   wall-clock time on a memory-bound CPU (every layer still streams its weights for the rows that continue),
-   so adaptive requests keep their exact single-request behaviour instead;
+3. **decodes** one step of every request past its prompt: requests of one batchable mode (full depth with dense
+   attention; adaptive depth with the ``propagate`` bridge and no ATS, each row with its own exits and patience,
+   ``AdaptiveDepth.step_batch``) run as **one** batched forward, each row at its own position, with its own
+   sampling parameters and RNG; the others (other bridges, speculative, pruning, sparse attention) take their
+   mode's own step one request after another in the same iteration. Per-row exits inside one batched forward
+   save little wall-clock time on a memory-bound CPU (every layer still streams its weights for the rows that
+   continue): measured in benchmarks/RESULTS.md ("Adaptive depth in a batch");
 4. **finishes** requests on EOS (unless ``ignore_eos``), ``max_tokens`` or their ``stop_check``, and frees their
    pages at once (prompt pages stay in the prefix cache when registered).
 
@@ -111,6 +112,8 @@ class Sequence:
         events: the :class:`~laserlm.runtime.generate.TokenEvent` s so far (``seconds``: since the request's
             previous token; the first: since ``submit``, i.e. TTFT including the wait in the queue).
         finish_reason: ``eos`` | ``length`` | ``stop`` | ``cancelled`` (``None`` while running).
+        reserved: pages reserved for it in the pool (lowered as its cache returns pages it will never need again:
+            skipped layers under the ``none`` bridge).
     """
 
     request: Request
@@ -124,6 +127,7 @@ class Sequence:
     t_submit: float = field(default_factory=time.perf_counter)
     t_last: float = 0.0
     t_finish: float | None = None
+    returned: int = 0  # pages given back from the reservation (see Scheduler._return_skipped)
 
     @property
     def request_id(self) -> str:
@@ -393,6 +397,7 @@ class Scheduler:
                 emitted = advance(self.engine, s.mode, s.request)
             self.stats["single_steps"] += 1
             self._emit(s, emitted)
+            self._return_skipped(s)
         outputs = []
         for s in list(self.running):
             new = s.events[before.get(s.request_id, 0):]
@@ -421,6 +426,16 @@ class Scheduler:
                 seq.finish_reason = "eos"
                 break
         seq.t_last = now
+
+    def _return_skipped(self, seq: Sequence) -> None:
+        """Lower ``seq``'s reservation by the pages its cache released for good (a page of skipped layers, under
+        the ``none`` bridge, is never taken again by that request), so they can admit other requests."""
+        cache = seq.request.cache
+        gone = getattr(cache, "skipped", 0) - seq.returned
+        if gone > 0 and seq in self.running:
+            seq.reserved -= gone
+            self.pool.reserved -= gone
+            seq.returned += gone
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         if seq.finish_reason == "eos":
