@@ -153,6 +153,8 @@ def main() -> None:
                     r.update(same_as_full=res.token_ids == full_ids, tokens_per_verify=sp.get("mean_accepted_length"),
                              acceptance=sp.get("acceptance_rate"), drafted=sp.get("drafted"),
                              accepted=sp.get("accepted"), cycles=sp.get("cycles"),
+                             cost_steps=sp.get("cost_steps"), predicted_steps=sp.get("predicted_steps"),
+                             budget_refused=sp.get("budget_refused"), budget_shortened=sp.get("budget_shortened"),
                              by_source={k: {kk: v[kk] for kk in ("cycles", "drafted", "accepted", "emitted")}
                                         for k, v in sp.get("by_source", {}).items()})
                 row["runs"][s] = r

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai")
 KEY = "sk-laserlm-test"
 MODEL = "smollm2-135m"
 ADAPTIVE = "adaptive:policy=confidence,threshold=0.9,patience=1"
-NGRAM = "speculative:draft=ngram"
+NGRAM = "speculative:draft=ngram,loss_budget=off"  # token-only draft decisions: the stats must match offline
 CTX = 512
 BUDGET_MIB = 24  # 1024 pages of 16 positions x 30 layers: 16 requests of ~40 positions do not all fit at once
 

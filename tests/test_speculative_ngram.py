@@ -21,7 +21,8 @@ from laserlm.runtime import Engine
 from laserlm.runtime.loop import generate_tokens
 from laserlm.runtime.sampling import SamplingParams, probabilities
 from laserlm.speculative import SpeculativeDecoding
-from laserlm.speculative.drafts import DraftPolicy, NgramIndex, SuffixCache, expected_tokens, verify_cost
+from laserlm.speculative.drafts import (BUDGET_EPS, DraftPolicy, LossBudget, NgramIndex, SuffixCache, affordable,
+                                       expected_tokens, verify_cost)
 from test_speculative import (ALPHA, _prompt_ids, _reference, chi2_pvalue, exact_marginals, hf_greedy,
                               one_thread, tiny_model)  # noqa: F401  (one_thread is a fixture)
 
@@ -98,6 +99,38 @@ def test_policy_drafts_longer_with_high_acceptance_and_not_at_all_with_low():
     assert pol.best_length("ngram/1", 16, cost)[0] >= 1
 
 
+def test_policy_pools_a_miss_into_the_longer_match_lengths():
+    """A rejected draft from an n-token match is a failed trial of every longer match length of its source too, so
+    a request pays one first probe, not one per match length; shorter lengths and other sources keep their
+    estimate."""
+    pol = DraftPolicy(max_ngram=3)
+    prior = {n: pol.alpha(f"ngram/{n}") for n in (1, 2, 3)}
+    pol.update("ngram/2", 0, 5)
+    assert pol.alpha("ngram/1") == prior[1]
+    assert pol.alpha("ngram/2") < prior[2] and pol.alpha("ngram/3") < prior[3]
+    assert pol.alpha("suffix/3") == pol.prior_of("suffix/3")
+    cost = lambda m: verify_cost(m + 1)  # noqa: E731
+    assert pol.best_length("ngram/3", 16, cost)[0] < DraftPolicy(max_ngram=3).best_length("ngram/3", 16, cost)[0]
+    before = pol.alpha("ngram/3")
+    pol.update("ngram/1", 4, 4)  # all accepted: no miss to pool
+    assert pol.alpha("ngram/3") >= before  # only idle relaxation towards the prior
+
+
+def test_loss_budget_books_measured_costs_and_caps_the_bank():
+    b = LossBudget(1.0, cap=3.0)
+    assert b.settle(2, seconds=0.5, predicted=1.7, plain=False) == 1.7  # no plain step timed: the prediction
+    assert b.bank == pytest.approx(1.0 + BUDGET_EPS + 2 - 1.7)
+    assert b.settle(1, seconds=0.01, predicted=1.0, plain=True) == 1.0 and b.plain_s == 0.01
+    assert b.settle(1, seconds=0.03, predicted=1.5, plain=False) == pytest.approx(3.0)  # measured: 0.03 / 0.01
+    assert b.bank == pytest.approx(1.0 + 3 * BUDGET_EPS + 2 - 1.7 - 2.0)
+    for _ in range(5):
+        b.settle(17, seconds=0.02, predicted=2.8, plain=False)
+    assert b.bank == 3.0  # capped
+    cost = lambda m: verify_cost(m + 1)  # noqa: E731
+    assert affordable(16, cost, 0.5) == 0 and affordable(16, cost, 0.75) == 1 and affordable(16, cost, 10) == 16
+    assert affordable(16, cost, 1.0) == 2  # c(3) - 1 = 0.91, c(4) - 1 = 1.06
+
+
 @pytest.mark.parametrize("spec, message", [
     ("speculative:draft=ngram,max_ngram=0", "max_ngram (longest n-gram matched) must be an integer in [1, 16], got 0"),
     ("speculative:draft=ngram,max_ngram=17", "max_ngram (longest n-gram matched) must be an integer in [1, 16]"),
@@ -114,12 +147,32 @@ def test_policy_drafts_longer_with_high_acceptance_and_not_at_all_with_low():
     ("speculative:draft=ngram,verify_cost=-1", "verify_cost (extra cost per doubling of the verify width)"),
     ("speculative:draft=ngram,verify_base=x", "verify_base must be a number, got 'x'"),
     ("speculative:draft=ngram,verify_base=20", "verify_base (extra cost of a multi-position verify) must be"),
+    ("speculative:draft=ngram,loss_budget=-1",
+     "loss_budget (plain steps a request may lose to drafts that do not pay; 0 or off disables the budget) must be "
+     "a number in [0, 64] or off, got -1.0"),
+    ("speculative:draft=ngram,loss_budget=65", "loss_budget (plain steps a request may lose"),
+    ("speculative:draft=ngram,loss_budget=inf", "must be a number in [0, 64] or off, got inf"),
+    ("speculative:draft=ngram,loss_budget=nan", "must be a number in [0, 64] or off, got nan"),
+    ("speculative:draft=ngram,loss_budget=lots", "speculative option loss_budget must be a number of plain steps in "
+                                                 "[0, 64] or off, got 'lots'"),
 ])
 def test_bad_draft_options(spec, message):
     engine = Engine(tiny_model(), max_seq_len=32)
     with pytest.raises(InvalidArgumentError) as err:
         make_mode(spec, engine)
     assert message in str(err.value)
+
+
+def test_loss_budget_defaults_and_off():
+    engine = Engine(tiny_model(), max_seq_len=32)
+    assert make_mode("speculative:draft=ngram", engine).loss_budget == 1.0  # on with the adaptive policy
+    assert make_mode("speculative:draft=ngram,adaptive=0", engine).loss_budget == 0.0  # off: drafts as given
+    assert make_mode("speculative:draft_layers=2,k=2", engine).loss_budget == 0.0  # layers alone: as before #15
+    assert make_mode("speculative:draft=ngram,loss_budget=OFF", engine).loss_budget == 0.0
+    assert make_mode("speculative:draft=ngram,loss_budget=0", engine).config()["loss_budget"] == 0.0
+    assert make_mode("speculative:draft=ngram,adaptive=0,loss_budget=2.5", engine).loss_budget == 2.5
+    with pytest.raises(InvalidArgumentError, match="loss_budget"):
+        SpeculativeDecoding(4, draft="ngram", loss_budget=True)
 
 
 def test_draft_option_names_the_rule():
@@ -136,6 +189,7 @@ def test_draft_option_names_the_rule():
     "speculative:draft=ngram+suffix+layers,draft_layers=2,adaptive=0",
     "speculative:draft=layers+ngram,draft_layers=1,k=3",
     "speculative:draft=suffix,adaptive=0,min_match=1",
+    "speculative:draft=ngram+layers,draft_layers=2,adaptive=0,k=6,loss_budget=0.8",
 ])
 def test_tiny_greedy_matches_full(one_thread, spec):
     model = tiny_model(vocab=64)
@@ -153,6 +207,102 @@ def test_tiny_greedy_matches_full(one_thread, spec):
     assert s["drafted"] > 0 and s["emitted"] == n - 1
     assert sum(v["cycles"] for v in s["by_source"].values()) == s["cycles"]
     assert sum(v["emitted"] for v in s["by_source"].values()) == s["emitted"]
+
+
+# -- the loss budget: deterministic with a fake clock -------------------------------------------------
+class FakeClock:
+    """Seconds = the modelled cost of the full-depth forwards run so far: a forward over ``w`` positions through
+    all layers costs ``cost(w)`` (``cost(1) = 1``), so the budget's measured cycle costs are exact and
+    deterministic (lookup and bookkeeping take no time)."""
+
+    def __init__(self, engine, cost):
+        self.t, self.cost = 0.0, cost
+        run_layers = engine.run_layers
+
+        def timed(start, stop, hidden, state):
+            self.t += self.cost(hidden.shape[1]) * (stop - start) / engine.num_layers
+            return run_layers(start, stop, hidden, state)
+
+        engine.run_layers = timed
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class WrongDraft:
+    """A lookup draft that is always wrong under greedy decoding: the reference greedy token + 1 (mod vocab) at
+    every position, as long as the lookup offers (``k``)."""
+
+    def __init__(self, reference: list[int], vocab: int):
+        self.ref, self.vocab = reference, vocab
+
+    def lookup(self, index, k, min_match):
+        t = len(index.tokens)
+        return 1, [(self.ref[t + i] + 1) % self.vocab if t + i < len(self.ref) else 0 for i in range(k)]
+
+
+def _cycle_widths(events) -> list[int]:
+    """The verify width (drafted + 1) of every cycle, from the events' per-cycle info."""
+    widths = {}
+    for ev in events:
+        if "cycle" in ev.info:
+            widths[ev.info["cycle"]] = ev.info["drafted"] + 1
+    return [widths[c] for c in sorted(widths)]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
+@pytest.mark.parametrize("extra", [1.0, 1.5], ids=["costs_as_modelled", "costs_above_model"])
+def test_loss_budget_bounds_the_loss_of_always_wrong_drafts(one_thread, adaptive, extra):
+    """Every draft is wrong, so every cycle emits one token and a ``w``-position verify wastes ``c(w) - 1`` plain
+    steps. Counted from the verify widths (the fake clock charges the cost model's ``c(w)``, or ``extra`` times its
+    overhead ``c(w) - 1``), the time spent beyond plain decoding stays within the budget's bound: ``B0 + EPS``
+    per cycle, plus (``extra > 1``) the largest amount by which one cycle exceeded its predicted cost. Without the
+    budget, ``adaptive=0`` would waste ``c(9) - 1 = 1.5`` steps on every cycle."""
+    model = tiny_model(vocab=64)
+    engine = Engine(model, max_seq_len=128)
+    prompt, n, k, budget = [3, 17, 42, 5, 3, 17, 42, 9, 3, 17], 100, 8, 1.0
+    want = hf_greedy(copy.deepcopy(model), prompt, n)
+    true_cost = lambda w: 1.0 + extra * (verify_cost(w) - 1.0)  # noqa: E731
+    clock = FakeClock(engine, true_cost)
+    mode = SpeculativeDecoding(4, draft="ngram", k=k, adaptive=adaptive, loss_budget=budget,
+                               ngram=WrongDraft(prompt + want, 64), clock=clock)
+    run = generate_tokens(engine, mode, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+    events = list(run)
+    assert [ev.token_id for ev in events] == want
+    st = run.request.state
+    widths = _cycle_widths(events)
+    assert len(widths) == st.cycles == st.emitted == n - 1 and st.accepted == 0
+    spent = sum(true_cost(w) for w in widths)
+    assert st.cost_steps == pytest.approx(spent)  # the budget's measured cost is the widths' cost
+    overshoot = max(true_cost(w) - verify_cost(w) for w in widths)
+    loss = spent - st.emitted
+    bound = budget + BUDGET_EPS * st.cycles + overshoot
+    assert loss <= bound + 1e-9, f"lost {loss:.2f} plain steps, bound {bound:.2f}"
+    assert st.drafted > 0, "the budget should still allow probes"
+    if not adaptive:
+        assert st.budget_refused + st.budget_shortened > 0
+
+
+def test_loss_budget_lets_long_drafts_through_on_a_repetitive_prompt(one_thread):
+    """A model whose greedy output is constant (final norm zeroed: every logit is 0, the argmax is token 0) on a
+    prompt of that token: every n-gram draft is right, so the bank grows and the budget lets k-token drafts
+    through (tokens per verify far above 1; the cost model's costs on the fake clock)."""
+    model = tiny_model(vocab=64)
+    with torch.no_grad():
+        model.model.norm.weight.zero_()
+    prompt, n = [0] * 12, 100
+    want = hf_greedy(copy.deepcopy(model), prompt, n)
+    assert want == [0] * n
+    engine = Engine(model, max_seq_len=128)
+    clock = FakeClock(engine, verify_cost)
+    mode = SpeculativeDecoding(4, draft="ngram", k=16, clock=clock)
+    assert mode.loss_budget == 1.0
+    run = generate_tokens(engine, mode, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+    assert [ev.token_id for ev in run] == want
+    s = run.summary()["speculative"]
+    assert s["mean_accepted_length"] > 8, s
+    assert s["drafted"] >= 80 and s["acceptance_rate"] == 1.0
+    assert s["loss_budget_left"] > 1.0 and s["cost_steps"] < 0.25 * s["emitted"]
 
 
 # -- sampling: the exact distribution --------------------------------------------------------------
@@ -174,10 +324,11 @@ class AlwaysWrong:
         return 1, out
 
 
-@pytest.mark.parametrize("case", ["ngram", "always_wrong"])
+@pytest.mark.parametrize("case", ["ngram", "always_wrong", "ngram_budget"])
 def test_sampling_distribution_matches_full_model(one_thread, case):
     """Tokens 2-4 come from cycles with deterministic lookup drafts; their empirical distribution must match
-    the full model's exact one (chi-square, ALPHA)."""
+    the full model's exact one (chi-square, ALPHA). ``ngram_budget``: with the loss budget on (real clock), the
+    first decode step is the plain timing step and the drafts after it are limited to what the bank affords."""
     engine = Engine(tiny_model(vocab=16), max_seq_len=32)
     sampling = dict(temperature=1.0, top_k=6)
     depth, samples = 4, 1200
@@ -188,7 +339,8 @@ def test_sampling_distribution_matches_full_model(one_thread, case):
         g = hf_greedy(engine.model, a, 6)
     prompt = a + g + a
     ngram = AlwaysWrong(engine, SamplingParams(**sampling)) if case == "always_wrong" else None
-    mode = SpeculativeDecoding(4, draft="ngram", max_ngram=2, k=3, adaptive=False, ngram=ngram)
+    budget = 1.0 if case == "ngram_budget" else 0
+    mode = SpeculativeDecoding(4, draft="ngram", max_ngram=2, k=3, adaptive=False, ngram=ngram, loss_budget=budget)
     counts = torch.zeros(depth, 16)
     drafted = accepted = 0
     for seed in range(samples):

@@ -37,7 +37,28 @@ draft length and the fall-back to no draft. Verify cost model: ``c(1) = 1`` and
 to one position; a one-row matrix product is a cheaper kernel than a many-row one on CPU, hence the step).
 Defaults fitted on smollm2-135m, float32, 1 CPU thread (measured 1.7x at w=2, 2.2x at w=3..9, 2.8x at
 w=17: ``verify_base = 0.34``, ``verify_cost = 0.36``). Priors of the acceptance estimates: ``0.7`` for the
-shallow path, ``0.6 + 0.08 n`` for an ``n``-token lookup match (``n <= 3``).
+shallow path, ``0.6 + 0.08 n`` for an ``n``-token lookup match (``n <= 3``). A rejected lookup draft
+from an ``n``-token match also counts as a failed trial for every longer match length ``n' > n`` of the same
+source (which has a more optimistic prior), so a request whose drafts do not pay spends one first probe, not one
+per match length.
+
+**Loss budget** (:class:`LossBudget`; issue #15's "never below 1.0x"): the policy above acts on estimates, and
+every estimate starts with a probe that may be wasted. To bound what those probes cost, each request keeps a bank
+``B`` in units of plain full-depth steps (``loss_budget``, default 1.0). Before a cycle the draft length ``m``
+is limited to those whose predicted waste ``C(m) - 1`` (the cost of the cycle if every draft is rejected and it
+emits one token) is at most ``B``; ``m = 0`` leaves a plain step. After every cycle ``B += EPS + emitted -
+cost``, with ``EPS = 0.02`` and ``cost`` the *measured* cycle time in plain steps: the cycle's seconds (choice,
+draft, verify and bookkeeping) over an exponential moving average of the seconds of the request's own plain
+cycles (a plain cycle costs 1 by definition; so the cost model is checked against this machine, not trusted);
+the first decode step of a request is a plain step to time that reference. A plain cycle of this mode includes
+the lookup bookkeeping (tens of microseconds against milliseconds for a forward), which the budget does not
+count. With ``N`` cycles a request then takes at most ``N (1 + EPS) + B0`` plain steps' time
+(plus the largest amount by which one cycle's measured cost exceeded its prediction), i.e. it loses at most ``B0`` steps
+plus 2 % against plain decoding however badly drafts fail, while a run of accepted drafts earns the bank that
+longer drafts need. ``B`` is capped at ``B0`` plus twice the predicted waste of the longest (``k``-token) draft: a
+copy-heavy request can absorb two full-length misses in a row (a copy that diverges and resynchronises) without
+falling back to plain steps, but a long lucky run cannot license an unbounded series of later losses (the loss
+over any stretch of cycles stays below the cap + ``EPS`` per cycle).
 """
 
 from __future__ import annotations
@@ -50,6 +71,10 @@ from ..errors import InvalidArgumentError
 
 MAX_NGRAM = 16
 DEFAULT_MAX_NGRAM = 3
+# min_match 1: a 1-token match drafts. It is the weakest evidence (lowest prior), but benchmarks/results_ngram.md
+# (which ran min_match=1 and beat transformers' prompt lookup on every class) has no per-match-length figures to
+# justify raising it, and on grounded prompts a 1-token match is how a copy resynchronises after a correction token.
+# What 1-token probes can cost is bounded by the loss budget and the pooled misses instead.
 DEFAULT_MIN_MATCH = 1
 DEFAULT_SUFFIX_TOKENS = 65536
 MAX_SUFFIX_TOKENS = 1 << 26
@@ -58,7 +83,11 @@ DEFAULT_VERIFY_BASE = 0.34
 DEFAULT_PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
-IDLE_DECAY = 0.98
+IDLE_DECAY = 0.98  # re-probing a relaxed estimate is paid from the loss budget (at most EPS per cycle long-run)
+DEFAULT_LOSS_BUDGET = 1.0  # plain steps a request may lose to drafts that do not pay (B0)
+MAX_LOSS_BUDGET = 64.0
+BUDGET_EPS = 0.02  # allowance per cycle, plain steps: the long-run loss bound (2 %) that lets probing go on
+PLAIN_EMA = 0.2  # weight of the newest plain step in the reference time
 SOURCES = ("ngram", "suffix", "layers")
 
 
@@ -267,6 +296,7 @@ class DraftPolicy:
 
     prior: float = DEFAULT_PRIOR
     counts: dict = field(default_factory=dict)  # key -> [successes, trials]
+    max_ngram: int = DEFAULT_MAX_NGRAM  # longest lookup match length (for the pooled misses)
 
     def prior_of(self, key: str) -> float:
         """The prior acceptance of ``key``: ``prior`` for the shallow path, ``0.6 + 0.08 min(n, 3)`` for an
@@ -279,9 +309,20 @@ class DraftPolicy:
         return (s + self.prior_of(key) * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
 
     def update(self, key: str | None, accepted: int, drafted: int) -> None:
-        """Record a cycle of ``key`` (``None``: a plain step); every other estimate relaxes to the prior."""
+        """Record a cycle of ``key`` (``None``: a plain step); every estimate not updated relaxes to the prior.
+
+        A rejection (``accepted < drafted``) of a lookup key ``src/n`` is also a failed trial of ``src/n'`` for
+        every ``n < n' <= max_ngram`` (pooled misses, module docstring)."""
+        updated = {key}
+        if key is not None and drafted > 0 and accepted < drafted and "/" in key:
+            src, _, n = key.partition("/")
+            for longer in range(int(n) + 1, self.max_ngram + 1):
+                c = self.counts.setdefault(f"{src}/{longer}", [0.0, 0.0])
+                c[0] *= DECAY
+                c[1] = c[1] * DECAY + 1
+                updated.add(f"{src}/{longer}")
         for other, c in self.counts.items():
-            if other != key:
+            if other not in updated:
                 c[0] *= IDLE_DECAY
                 c[1] *= IDLE_DECAY
         if key is None or drafted <= 0:
@@ -290,19 +331,85 @@ class DraftPolicy:
         c[0] = c[0] * DECAY + accepted
         c[1] = c[1] * DECAY + accepted + (1 if accepted < drafted else 0)
 
-    def best_length(self, key: str, max_m: int, cost) -> tuple[int, float]:
-        """``(m, E(m)/C(m))`` maximising the expected speed-up for ``1 <= m <= max_m`` under ``cost(m)``;
-        ``(0, 1.0)`` when ``max_m < 1``."""
+    def best_length(self, key: str, max_m: int, cost, max_waste: float = math.inf) -> tuple[int, float]:
+        """``(m, E(m)/C(m))`` maximising the expected speed-up for ``1 <= m <= max_m`` under ``cost(m)``, among
+        the lengths whose waste ``cost(m) - 1`` is at most ``max_waste`` (the loss budget); ``(0, 1.0)`` when
+        there is none."""
         a = self.alpha(key)
         best = (0, 1.0)
         for m in range(1, max_m + 1):
-            gain = expected_tokens(a, m) / cost(m)
+            c = cost(m)
+            if c - 1.0 > max_waste:
+                continue
+            gain = expected_tokens(a, m) / c
             if gain > best[1] + 1e-12:
                 best = (m, gain)
         return best
 
 
-__all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS", "DEFAULT_VERIFY_BASE",
-           "DEFAULT_VERIFY_COST", "DraftPolicy",
-           "MAX_NGRAM", "NgramIndex", "SOURCES", "SuffixCache", "check_ngram", "expected_tokens", "parse_draft",
-           "table_cost", "verify_cost"]
+def affordable(max_m: int, cost, max_waste: float) -> int:
+    """The longest draft ``m <= max_m`` whose waste ``cost(m) - 1`` is at most ``max_waste`` (0: none)."""
+    for m in range(max_m, 0, -1):
+        if cost(m) - 1.0 <= max_waste:
+            return m
+    return 0
+
+
+@dataclass
+class LossBudget:
+    """A request's loss budget (module docstring): the bank, in plain full-depth steps, that draft cycles may
+    lose against plain decoding, and the plain-step reference time that converts cycle seconds into steps.
+
+    Args:
+        start: ``B0``, the bank at the start of the request (plain steps, > 0).
+        cap: the most the bank may hold (``B0`` + twice the predicted waste of the longest draft).
+    """
+
+    start: float
+    cap: float
+    bank: float = field(init=False)
+    plain_s: float | None = None  # EMA of the seconds of the request's plain cycles (None: not timed yet)
+
+    def __post_init__(self):
+        self.bank = self.start
+
+    def settle(self, emitted: int, seconds: float, predicted: float, plain: bool) -> float:
+        """Book one cycle and return its cost in plain steps: 1 for a plain step (which updates the reference
+        time), else ``seconds`` over the reference, or ``predicted`` while no plain step has been timed.
+
+        Args:
+            emitted: tokens the cycle emitted.
+            seconds: wall-clock seconds of the whole cycle (draft choice, draft, verify, bookkeeping).
+            predicted: the cost model's cost of the cycle (plain steps).
+            plain: the cycle drafted nothing (a plain full-depth step).
+        """
+        if plain:
+            cost = 1.0
+            if seconds > 0:
+                self.plain_s = seconds if self.plain_s is None else (1 - PLAIN_EMA) * self.plain_s + PLAIN_EMA * seconds
+        else:
+            cost = seconds / self.plain_s if self.plain_s else predicted
+        self.bank = min(self.cap, self.bank + BUDGET_EPS + emitted - cost)
+        return cost
+
+
+def check_loss_budget(value) -> float:
+    """``loss_budget`` as a number of plain steps (``"off"`` -> 0.0).
+
+    Raises:
+        InvalidArgumentError: not a finite number in ``[0, 64]`` or ``off``.
+    """
+    if isinstance(value, str) and value.strip().lower() == "off":
+        return 0.0
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or not 0.0 <= value <= MAX_LOSS_BUDGET):
+        raise InvalidArgumentError(f"loss_budget (plain steps a request may lose to drafts that do not pay; 0 or "
+                                   f"off disables the budget) must be a number in [0, {MAX_LOSS_BUDGET:g}] or off, "
+                                   f"got {value!r}")
+    return float(value)
+
+
+__all__ = ["BUDGET_EPS", "DEFAULT_LOSS_BUDGET", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS",
+           "DEFAULT_VERIFY_BASE", "DEFAULT_VERIFY_COST", "DraftPolicy", "LossBudget", "MAX_LOSS_BUDGET",
+           "MAX_NGRAM", "NgramIndex", "SOURCES", "SuffixCache", "affordable", "check_loss_budget", "check_ngram",
+           "expected_tokens", "parse_draft", "table_cost", "verify_cost"]

@@ -59,6 +59,17 @@ maximise the expected tokens per unit of cost from the request's recent acceptan
 first available source gives (``k`` tokens from the shallow path, the whole continuation up to ``k`` from a
 lookup). Stats report cycles, drafted, accepted, emitted, tokens per verify and acceptance per source
 (``by_source``; source ``none`` = plain steps). Example: ``speculative:draft=ngram+layers,max_ngram=3,k=16``.
+
+**Loss budget.** ``loss_budget=B`` (plain steps; default 1 with ``adaptive``, off with ``adaptive=0``; ``0`` or
+``off`` disables it) bounds what drafts that do not pay can cost a request: a cycle may only draft lengths whose
+predicted waste fits the request's bank, and the bank is settled with the *measured* cycle time over the
+request's own plain-cycle time (:class:`~.drafts.LossBudget`; the first decode step is a plain step that times
+the reference). A request then runs at most ``B`` plain steps + 2 % slower than plain decoding (plus at most one
+cycle's misprediction of the cost model). Stats: ``cost_steps`` (measured cost of the cycles, plain steps),
+``predicted_steps`` (the cost model's), ``budget_refused`` / ``budget_shortened`` (cycles whose draft the budget
+turned into a plain step / shortened) and ``loss_budget_left``. The budget is timing, so two runs may take
+different drafts: greedy output is the same; seeded sampling then draws other, equally distributed, tokens
+(``loss_budget=off`` for draft decisions that depend on the tokens only).
 """
 
 from __future__ import annotations
@@ -74,9 +85,9 @@ from ..runtime.loop import Emitted
 from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
-from .drafts import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS, DEFAULT_VERIFY_BASE,
-                     DEFAULT_VERIFY_COST, DraftPolicy, NgramIndex, SuffixCache, check_ngram, parse_draft, table_cost,
-                     verify_cost)
+from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
+                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, DraftPolicy, LossBudget, NgramIndex, SuffixCache,
+                     affordable, check_loss_budget, check_ngram, parse_draft, table_cost, verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -103,6 +114,11 @@ class SpeculativeStats:
         prefill_s: seconds of the full-depth prompt forward (and first token).
         by_source: per draft source (``layers``, ``ngram``, ``suffix``; ``none`` = a plain full-depth step)
             ``{"cycles", "drafted", "accepted", "emitted"}``.
+        cost_steps: with a loss budget, the cycles' measured cost in plain full-depth steps (cycle seconds over
+            the request's plain-cycle time; ``emitted`` steps = par); 0 without.
+        predicted_steps: the cost model's cost of the same cycles (plain steps); 0 without a loss budget.
+        budget_refused: cycles the policy would have drafted but the loss budget left a plain step.
+        budget_shortened: cycles whose draft the loss budget shortened.
     """
 
     cycles: int = 0
@@ -114,6 +130,10 @@ class SpeculativeStats:
     verify_s: float = 0.0
     prefill_s: float = 0.0
     by_source: dict = field(default_factory=dict)
+    cost_steps: float = 0.0
+    predicted_steps: float = 0.0
+    budget_refused: int = 0
+    budget_shortened: int = 0
 
     def record(self, source: str, drafted: int, accepted: int) -> None:
         c = self.by_source.setdefault(source, {"cycles": 0, "drafted": 0, "accepted": 0, "emitted": 0})
@@ -146,15 +166,17 @@ class SpeculativeStats:
 class SpeculativeState(SpeculativeStats):
     """A request's state: its :class:`SpeculativeStats` (the dataclass fields, all that ``asdict`` and the
     summary see) plus the draft machinery: ``index`` (:class:`~.drafts.NgramIndex` of prompt + output, or
-    ``None`` without a lookup source), ``policy`` (:class:`~.drafts.DraftPolicy`) and ``head_fraction`` (the
-    LM head's share of a full-depth step, from parameter counts, for the shallow draft's cost)."""
+    ``None`` without a lookup source), ``policy`` (:class:`~.drafts.DraftPolicy`), ``head_fraction`` (the
+    LM head's share of a full-depth step, from parameter counts, for the shallow draft's cost) and ``budget``
+    (:class:`~.drafts.LossBudget`, or ``None`` without a loss budget)."""
 
     def __init__(self, index: NgramIndex | None = None, policy: DraftPolicy | None = None,
-                 head_fraction: float = 0.2):
+                 head_fraction: float = 0.2, budget: LossBudget | None = None):
         super().__init__()
         self.index = index
         self.policy = policy or DraftPolicy()
         self.head_fraction = head_fraction
+        self.budget = budget
 
 
 def head_fraction(engine) -> float:
@@ -204,6 +226,11 @@ class SpeculativeDecoding:
             many speculating requests serialise; vLLM disables speculation above a batch size for the same
             reason (``speculative_disable_by_batch_size``). Output stays lossless: a plain step samples the full
             model's distribution.
+        loss_budget: plain full-depth steps a request may lose to drafts that do not pay (module docstring,
+            :class:`~.drafts.LossBudget`), a number in ``[0, 64]`` or ``"off"`` (= 0, no budget); default ``None``:
+            1.0 with ``adaptive``, off without (``adaptive=0`` drafts as given).
+        clock: the seconds clock the loss budget times cycles with (default :func:`time.perf_counter`; tests
+            pass a fake clock to make the budget deterministic).
 
     Raises:
         InvalidArgumentError: any option out of range or an unknown draft source.
@@ -216,7 +243,8 @@ class SpeculativeDecoding:
                  exit_head_name: str | None = None, draft="layers", max_ngram: int = DEFAULT_MAX_NGRAM,
                  min_match: int = DEFAULT_MIN_MATCH, adaptive: bool | None = None,
                  suffix_tokens: int = DEFAULT_SUFFIX_TOKENS, verify_cost: float = DEFAULT_VERIFY_COST,
-                 verify_base: float = DEFAULT_VERIFY_BASE, ngram=None, batch_above: int = DEFAULT_BATCH_ABOVE):
+                 verify_base: float = DEFAULT_VERIFY_BASE, ngram=None, batch_above: int = DEFAULT_BATCH_ABOVE,
+                 loss_budget: float | str | None = None, clock: Callable[[], float] | None = None):
         sources = parse_draft(draft)
         if isinstance(batch_above, bool) or not isinstance(batch_above, int) or not 1 <= batch_above <= 4096:
             raise InvalidArgumentError(f"batch_above (speculating requests in a batch before they take plain "
@@ -237,6 +265,8 @@ class SpeculativeDecoding:
         if exit_head is not None and not callable(exit_head):
             raise InvalidArgumentError("exit_head must be a callable hidden [B, T, d] -> logits [B, T, V]")
         check_ngram(max_ngram, min_match)
+        if loss_budget is not None:
+            check_loss_budget(loss_budget)
         if (isinstance(verify_cost, bool) or not isinstance(verify_cost, (int, float))
                 or not 0.0 <= verify_cost <= 16.0):
             raise InvalidArgumentError(f"verify_cost (extra cost per doubling of the verify width) must be a "
@@ -258,6 +288,9 @@ class SpeculativeDecoding:
         self.max_ngram = max_ngram
         self.min_match = min_match
         self.adaptive = any(s in LOOKUP for s in sources) if adaptive is None else bool(adaptive)
+        self.loss_budget = (DEFAULT_LOSS_BUDGET if self.adaptive else 0.0) if loss_budget is None else \
+            check_loss_budget(loss_budget)
+        self.clock = clock or time.perf_counter
         self.verify_cost = float(verify_cost)
         self.verify_base = float(verify_base)
         self.ngram = ngram
@@ -267,7 +300,8 @@ class SpeculativeDecoding:
 
     def config(self) -> dict:
         out = {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
-               "reuse": self.reuse, "exit_head": self.exit_head_name, "batch_above": self.batch_above}
+               "reuse": self.reuse, "exit_head": self.exit_head_name, "batch_above": self.batch_above,
+               "loss_budget": self.loss_budget}
         if self.draft != ("layers",):
             out.update(draft="+".join(self.draft), max_ngram=self.max_ngram, min_match=self.min_match,
                        adaptive=self.adaptive, verify_cost=self.verify_cost, verify_base=self.verify_base)
@@ -285,8 +319,12 @@ class SpeculativeDecoding:
         """Raises InvalidArgumentError: the engine's model has another number of layers than the mode's."""
         self._check_engine(engine)
         lookup = any(s in LOOKUP for s in self.draft)
-        return SpeculativeState(NgramIndex(self.max_ngram) if lookup else None, DraftPolicy(),
-                                head_fraction(engine))
+        st = SpeculativeState(NgramIndex(self.max_ngram) if lookup else None, DraftPolicy(max_ngram=self.max_ngram),
+                              head_fraction(engine))
+        if self.loss_budget > 0:
+            longest = max(self._cost(st, src, self.k) for src in self.draft) - 1.0
+            st.budget = LossBudget(self.loss_budget, self.loss_budget + 2 * longest)
+        return st
 
     @torch.inference_mode()
     def prefill(self, engine, request) -> list[Emitted]:
@@ -312,8 +350,12 @@ class SpeculativeDecoding:
         cache = request.cache
         room = cache.max_len - cache.length - 1  # positions left after cur's
         k = max(min(self.k, request.remaining - 1, room), 0)
+        c0 = self.clock()
         t0 = time.perf_counter()
-        source, key, m, lookup = self._choose(request, k)
+        if st.budget is not None and st.budget.plain_s is None:
+            source, key, m, lookup = "none", None, 0, None  # the first decode step times the plain reference
+        else:
+            source, key, m, lookup = self._choose(request, k)
         st.draft_s += time.perf_counter() - t0
         emitted, drafted, layers = self._cycle(engine, request, request.last_token, source, m, lookup)
         accepted = len(emitted) - 1
@@ -321,6 +363,10 @@ class SpeculativeDecoding:
         if self.adaptive:
             st.policy.update(key, accepted, drafted)
         self._record_tokens(request, emitted)
+        if st.budget is not None:
+            predicted = self._cost(st, source, drafted)
+            st.predicted_steps += predicted
+            st.cost_steps += st.budget.settle(len(emitted), self.clock() - c0, predicted, plain=drafted == 0)
         out = []
         for i, tok in enumerate(emitted):
             kind = "accepted" if i < accepted else ("bonus" if accepted == drafted else "correction")
@@ -365,18 +411,27 @@ class SpeculativeDecoding:
         c = self._verify_cost(m + 1)
         return steps * f * (1 - h) + m * h + ((1 - f) if self.reuse else 1.0) * (1 - h) * c + h * c
 
+    def _cost(self, st, source: str, m: int) -> float:
+        """Predicted relative cost (a plain step = 1) of a cycle drafting ``m`` tokens from ``source``."""
+        if source == "none" or m < 1:
+            return 1.0
+        return self._layers_cost(st, m) if source == "layers" else self._verify_cost(m + 1)
+
     def _choose(self, request, k: int) -> tuple[str, str | None, int, list[int] | None]:
         """The cycle's ``(source, policy key, draft length, lookup tokens or None)``; ``("none", None, 0,
-        None)``: a plain full-depth step."""
+        None)``: a plain full-depth step. With a loss budget only lengths whose predicted waste ``C(m) - 1``
+        fits the request's bank are drafted; the cycles where that changed the choice are counted in
+        ``budget_refused`` / ``budget_shortened``."""
         if k < 1:
             return "none", None, 0, None
         st = request.state
+        bank = st.budget.bank if st.budget is not None else float("inf")
         best = ("none", None, 0, None)
-        best_gain = 1.0
+        best_gain, free_gain, free_m = 1.0, 1.0, 0  # free_*: the choice without the budget
         for src in self.draft:
+            cost = lambda m, src=src: self._cost(st, src, m)  # noqa: E731
             if src == "layers":
                 key, toks, max_m = "layers", None, k
-                cost = lambda m: self._layers_cost(st, m)  # noqa: E731
             else:
                 if src == "ngram":
                     finder = self.ngram.lookup if self.ngram is not None else (
@@ -389,17 +444,33 @@ class SpeculativeDecoding:
                 if n < 1 or not toks:
                     continue
                 key, max_m = f"{src}/{n}", len(toks)
-                cost = lambda m: self._verify_cost(m + 1)  # noqa: E731
-            if not self.adaptive:
-                return src, key, max_m, toks
+            if not self.adaptive:  # the first source with a draft, as long as the budget allows
+                m = affordable(max_m, cost, bank)
+                self._count_budget(st, max_m, m)
+                return (src, key, m, toks) if m >= 1 else ("none", None, 0, None)
             m, gain = st.policy.best_length(key, max_m, cost)
+            if m >= 1 and gain > free_gain:
+                free_gain, free_m = gain, m
+            if m >= 1 and cost(m) - 1.0 > bank:
+                m, gain = st.policy.best_length(key, max_m, cost, max_waste=bank)
             if m >= 1 and gain > best_gain:
                 best, best_gain = (src, key, m, toks), gain
+        self._count_budget(st, free_m, best[2])
         return best
+
+    @staticmethod
+    def _count_budget(st, wanted: int, allowed: int) -> None:
+        if allowed < wanted:
+            if allowed == 0:
+                st.budget_refused += 1
+            else:
+                st.budget_shortened += 1
 
     def summary(self, request) -> dict:
         """``{"speculative": {config..., counters..., rates...}}`` (merged into ``GenerationResult.extra``)."""
-        out = {**self.config(), **request.state.summary()}
+        st = request.state
+        out = {**self.config(), **st.summary()}
+        out["loss_budget_left"] = round(st.budget.bank, 4) if st.budget is not None else None
         if self.calibration is not None:
             out["calibration"] = self.calibration
         if self.verify_fit is not None:
@@ -540,12 +611,14 @@ class SpeculativeOptions:
     verify_cost: Optional[Union[float, Literal["auto"]]] = None
     verify_base: Optional[float] = None
     batch_above: Optional[int] = None
+    loss_budget: Optional[Union[float, Literal["off"]]] = field(
+        default=None, metadata={"expect": "a number of plain steps in [0, 64] or off"})
 
 
 LAYERS_ONLY = ("draft_layers", "threshold", "reuse", "laser")  # options of the shallow-path draft
 LOOKUP_OPTIONS = ("max_ngram", "min_match")
 DRAFT_OPTIONS = ("draft", "max_ngram", "min_match", "adaptive", "suffix_tokens", "verify_cost", "verify_base",
-                 "batch_above")
+                 "batch_above", "loss_budget")
 OPTIONS = tuple(f.name for f in fields(SpeculativeOptions))
 
 
@@ -591,8 +664,8 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
 
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH][,draft=ngram+suffix+layers,max_ngram=3,
-    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34][,batch_above=2]`` ->
-    :class:`SpeculativeDecoding`.
+    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34][,batch_above=2]
+    [,loss_budget=1|off]`` -> :class:`SpeculativeDecoding`.
 
     ``verify_cost=auto`` measures the verify cost curve of this engine on this machine (about a second on
     smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`); the policy then interpolates the
