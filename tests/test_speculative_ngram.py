@@ -209,6 +209,30 @@ def test_tiny_greedy_matches_full(one_thread, spec):
     assert sum(v["emitted"] for v in s["by_source"].values()) == s["emitted"]
 
 
+def test_packed_weights_keep_the_verify_on_the_kernel(one_thread):
+    """On packed weights a verify of more than ``engine.fast_rows`` positions would leave the compiled kernel for the
+    prefill GEMM (5-20x a kernel step), so lookup drafts are cut to ``fast_rows - 1`` tokens there, and only there:
+    the float engine drafts the whole ``k``. Greedy output still equals the packed engine's own full depth."""
+    from laserlm.models.packing import pack_model
+
+    model = tiny_model(vocab=64)
+    float_engine = Engine(copy.deepcopy(model), max_seq_len=128)
+    pack_model(model, "int8")
+    engine = Engine(model, max_seq_len=128)
+    assert engine.fast_rows == 16 and float_engine.fast_rows is None
+    prompt, n = [3, 17, 42, 5, 9, 11] * 6, 60
+    spec = "speculative:draft=ngram,adaptive=0,k=24,loss_budget=off"
+    want = [ev.token_id for ev in generate_tokens(engine, make_mode("full", engine), torch.tensor(prompt),
+                                                  SamplingParams(max_new_tokens=n), n)]
+    events = list(generate_tokens(engine, make_mode(spec, engine), torch.tensor(prompt),
+                                  SamplingParams(max_new_tokens=n), n))
+    assert [ev.token_id for ev in events] == want
+    assert max(_cycle_widths(events)) == engine.fast_rows
+    events_f = list(generate_tokens(float_engine, make_mode(spec, float_engine), torch.tensor(prompt),
+                                    SamplingParams(max_new_tokens=n), n))
+    assert max(_cycle_widths(events_f)) == 25
+
+
 # -- the loss budget: deterministic with a fake clock -------------------------------------------------
 class FakeClock:
     """Seconds = the modelled cost of the full-depth forwards run so far: a forward over ``w`` positions through

@@ -24,6 +24,7 @@ from ..errors import ContextLengthError, InvalidArgumentError
 from ..models import kernels
 from ..models.adapters import ModelAdapter, get_adapter
 from ..models.loader import LoadedModel, load_model
+from ..models.quant import KERNEL_MAX_ROWS
 from . import attention as attn
 from . import fast_layers, packed_layers
 from .kv_cache import CacheWindow, KVCache
@@ -156,6 +157,13 @@ class Engine:
     @property
     def num_layers(self) -> int:
         return self.adapter.num_layers
+
+    @property
+    def fast_rows(self) -> int | None:
+        """The most new tokens one forward can hold on the compiled kernel of packed weights
+        (:data:`laserlm.models.quant.KERNEL_MAX_ROWS`); longer forwards take the prefill path (a dequantized GEMM,
+        several times the cost of a kernel step). ``None``: no packed layers (float weights: no such step)."""
+        return KERNEL_MAX_ROWS if self._packed else None
 
     @property
     def position(self) -> int:
