@@ -386,7 +386,8 @@ def make_onnx_mode(model: OnnxModel, spec: str = "full") -> OnnxDecoder:
         raise InvalidArgumentError("the onnxruntime backend does not run the router (router=1)")
     if getattr(policy, "needs_ats", False):
         raise InvalidArgumentError("the onnxruntime backend cannot measure the attention transition score (its "
-                                   "attention probabilities are not graph outputs); use a policy without ats")
+                                   "attention probabilities are not graph outputs); use a policy without ats (for a laser "
+                                   "file: `laserlm calibrate --no-ats`, then export with it)")
     missing = [b for b in groups.exit_points if f"bridge_{groups.group_ending_at(b) + 1}" not in man["graphs"]]
     if missing:
         raise InvalidArgumentError(f"exit points {missing} have no exported bridge graph; re-export with these "
