@@ -44,7 +44,7 @@ per match length.
 
 **Loss budget** (:class:`LossBudget`; issue #15's "never below 1.0x"): the policy above acts on estimates, and
 every estimate starts with a probe that may be wasted. To bound what those probes cost, each request keeps a bank
-``B`` in units of plain full-depth steps (``loss_budget``, default 1.0). Before a cycle the draft length ``m``
+``B`` in units of plain full-depth steps (``loss_budget``, e.g. 1.0; off by default). Before a cycle the draft length ``m``
 is limited to those whose predicted waste ``C(m) - 1`` (the cost of the cycle if every draft is rejected and it
 emits one token) is at most ``B``; ``m = 0`` leaves a plain step. After every cycle ``B += EPS + emitted -
 cost``, with ``EPS = 0.02`` and ``cost`` the *measured* cycle time in plain steps: the cycle's seconds (choice,
@@ -84,7 +84,7 @@ DEFAULT_PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
 IDLE_DECAY = 0.98  # re-probing a relaxed estimate is paid from the loss budget (at most EPS per cycle long-run)
-DEFAULT_LOSS_BUDGET = 1.0  # plain steps a request may lose to drafts that do not pay (B0)
+DEFAULT_LOSS_BUDGET = 0.0  # off by default: on the benchmark it cost more gains than it saved (RESULTS, issue 15)
 MAX_LOSS_BUDGET = 64.0
 BUDGET_EPS = 0.02  # allowance per cycle, plain steps: the long-run loss bound (2 %) that lets probing go on
 PLAIN_EMA = 0.2  # weight of the newest plain step in the reference time

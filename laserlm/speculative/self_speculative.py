@@ -60,7 +60,7 @@ first available source gives (``k`` tokens from the shallow path, the whole cont
 lookup). Stats report cycles, drafted, accepted, emitted, tokens per verify and acceptance per source
 (``by_source``; source ``none`` = plain steps). Example: ``speculative:draft=ngram+layers,max_ngram=3,k=16``.
 
-**Loss budget.** ``loss_budget=B`` (plain steps; default 1 with ``adaptive``, off with ``adaptive=0``; ``0`` or
+**Loss budget.** ``loss_budget=B`` (plain steps; off by default, see benchmarks/RESULTS.md; ``0`` or
 ``off`` disables it) bounds what drafts that do not pay can cost a request: a cycle may only draft lengths whose
 predicted waste fits the request's bank, and the bank is settled with the *measured* cycle time over the
 request's own plain-cycle time (:class:`~.drafts.LossBudget`; the first decode step is a plain step that times
@@ -228,7 +228,8 @@ class SpeculativeDecoding:
             model's distribution.
         loss_budget: plain full-depth steps a request may lose to drafts that do not pay (module docstring,
             :class:`~.drafts.LossBudget`), a number in ``[0, 64]`` or ``"off"`` (= 0, no budget); default ``None``:
-            1.0 with ``adaptive``, off without (``adaptive=0`` drafts as given).
+            off (benchmarks/RESULTS.md, "Lookup drafts with a loss budget": a first probe that misses overdraws the
+            bank and ends drafting for the request, which cost more gains on grounded prompts than it saved).
         clock: the seconds clock the loss budget times cycles with (default :func:`time.perf_counter`; tests
             pass a fake clock to make the budget deterministic).
 
@@ -288,8 +289,7 @@ class SpeculativeDecoding:
         self.max_ngram = max_ngram
         self.min_match = min_match
         self.adaptive = any(s in LOOKUP for s in sources) if adaptive is None else bool(adaptive)
-        self.loss_budget = (DEFAULT_LOSS_BUDGET if self.adaptive else 0.0) if loss_budget is None else \
-            check_loss_budget(loss_budget)
+        self.loss_budget = DEFAULT_LOSS_BUDGET if loss_budget is None else check_loss_budget(loss_budget)
         self.clock = clock or time.perf_counter
         self.verify_cost = float(verify_cost)
         self.verify_base = float(verify_base)
