@@ -158,9 +158,9 @@ def poisson(lm, docs, new, max_batch, budget, rate, seed=0):
             "p50_ttft_s": pct(ttft, 0.5), "p99_ttft_s": pct(ttft, 0.99)}
 
 
-def churn_fragmentation(lm, budget, seed=0):
-    """Requests of random lengths, half finishing early: fragmentation and a decode step's time before and after
-    compaction."""
+def churn_fragmentation(lm, budget, seed=0, reps=3):
+    """Requests of random lengths, half finishing early: fragmentation and a decode step's time (median of ``reps``)
+    before and after compaction, and the compaction's own time."""
     from laserlm.runtime.kv_pool import PagedBatch
     from laserlm.runtime.sampling import SamplingParams
 
@@ -181,7 +181,7 @@ def churn_fragmentation(lm, budget, seed=0):
         rows = [s for s in sched.running if s.status == "decode"]
         eng = lm.engine
         times = []
-        for _ in range(3):
+        for _ in range(reps):
             t = time.perf_counter()
             with torch.inference_mode():
                 h, st = eng.begin(torch.tensor([[s.request.last_token] for s in rows]),
@@ -192,13 +192,16 @@ def churn_fragmentation(lm, budget, seed=0):
 
     before = sched.pool.fragmentation()
     ms_before, rows = step_ms()
+    t = time.perf_counter()
     moved = sched.pool.compact()
+    compact_ms = 1000 * (time.perf_counter() - t)
     after = sched.pool.fragmentation()
     ms_after, _ = step_ms()
     for r in rids:
         sched.cancel(r)
-    return {"rows": rows, "before": before, "after": after, "moved_pages": moved, "step_ms_before": ms_before,
-            "step_ms_after": ms_after}
+    return {"rows": rows, "before": before, "after": after, "moved_pages": moved, "compact_ms": round(compact_ms, 2),
+            "step_ms_before": round(ms_before, 2), "step_ms_after": round(ms_after, 2),
+            "pool_mib": round(sched.pool.nbytes / 2**20, 1)}
 
 
 def main():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_batch import load_docs, lscpu_model  # noqa: E402
+from bench_batch import churn_fragmentation, load_docs, lscpu_model  # noqa: E402
 
 
 def batched_run(lm, docs, new, max_batch, budget, page_size, mode="full"):
@@ -109,50 +108,6 @@ def part_none(lm, docs, args):
     return out
 
 
-def part_compact(lm, args, seed=0):
-    from laserlm.runtime.kv_pool import PagedBatch
-    from laserlm.runtime.sampling import SamplingParams
-
-    rng = random.Random(seed)
-    sched = lm.scheduler(args.kv_budget, max_batch=32, compact_every=10**9)
-    rids = []
-    for _ in range(32):
-        n = rng.randrange(8, 120)
-        rids.append(sched.submit(torch.randint(10, 20000, (n,)), SamplingParams(max_new_tokens=64, ignore_eos=True)))
-    while sched.waiting or any(s.status == "prefill" for s in sched.running):
-        sched.step()
-    for r in rids[::2]:
-        sched.cancel(r)
-    for _ in range(3):
-        sched.step()
-    eng = lm.engine
-
-    def step_ms():
-        rows = [s for s in sched.running if s.status == "decode"]
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            with torch.inference_mode():
-                h, st = eng.begin(torch.tensor([[s.request.last_token] for s in rows]),
-                                  cache=PagedBatch([s.request.cache for s in rows]))
-                eng.run_layers(0, eng.num_layers, h, st)
-            times.append(time.perf_counter() - t)  # not committed: the same positions are rewritten
-        return 1000 * statistics.median(times), len(rows)
-
-    before = sched.pool.fragmentation()
-    ms_before, rows = step_ms()
-    t = time.perf_counter()
-    moved = sched.pool.compact()
-    compact_ms = 1000 * (time.perf_counter() - t)
-    after = sched.pool.fragmentation()
-    ms_after, _ = step_ms()
-    for r in rids:
-        sched.cancel(r)
-    return {"rows": rows, "before": before, "after": after, "moved_pages": moved, "compact_ms": round(compact_ms, 2),
-            "step_ms_before": round(ms_before, 2), "step_ms_after": round(ms_after, 2),
-            "pool_mib": round(sched.pool.nbytes / 2**20, 1)}
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -188,7 +143,7 @@ def main():
     if "none" not in args.skip:
         res["none_bridge"] = part_none(lm, docs[:args.none_docs], args)
     if "compact" not in args.skip:
-        res["compaction"] = part_compact(lm, args)
+        res["compaction"] = churn_fragmentation(lm, args.kv_budget, reps=5)
         print(res["compaction"], flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
