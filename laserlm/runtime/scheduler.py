@@ -429,10 +429,11 @@ class Scheduler:
 
     def _return_skipped(self, seq: Sequence) -> None:
         """Lower ``seq``'s reservation by the pages its cache released for good (a page of skipped layers, under
-        the ``none`` bridge, is never taken again by that request), so they can admit other requests."""
+        the ``none`` bridge, is never taken again by that request), so they can admit other requests. Not under
+        eviction: there the reservation is the policy's cap, which the request may still fill with later pages."""
         cache = seq.request.cache
         gone = getattr(cache, "skipped", 0) - seq.returned
-        if gone > 0 and seq in self.running:
+        if gone > 0 and seq in self.running and getattr(cache, "eviction", None) is None:
             seq.reserved -= gone
             self.pool.reserved -= gone
             seq.returned += gone
