@@ -22,8 +22,8 @@ Skipped layers need no page
 Under the ``none`` bridge (D-LLM) a token that exits after layer ``e`` writes no K/V at layers ``e..L-1``: its slots
 there are masked holes. When the token that closes a page (its last slot) has been run,
 :meth:`PagedCache.release_skipped` returns that page at every layer where **none** of its ``page_size`` positions
-holds K/V (every token of the page exited before that layer): the page goes back to the pool and the scheduler
-lowers the request's reservation by one page, so the saving admits other requests. A page is taken when its first
+holds K/V (every token of the page exited before that layer): the page goes back to the pool and (without
+eviction) the scheduler lowers the request's reservation by one page, so the saving admits other requests. A page is taken when its first
 position is written and is only known to be empty when it is full, so a request still holds the page being filled
 at every layer; the saving is in the pages behind it. The ``propagate`` and ``deferred`` bridges write every
 layer and release nothing.
@@ -576,14 +576,17 @@ class PagedWindow:
             for r, c in enumerate(rows):
                 w = min(n_log, c.table.shape[1])
                 self._tables[r, :, :w] = c.table[:, :w]
-        self._holes = any(c.evicted or c.skipped for c in rows)
+        # skipped pages (the none bridge) are no holes here: their layers mask every position of them
+        # (AttentionContext.key_valid), so reading the null page there is harmless, and the layers below the exit
+        # keep the compiled kernel
+        self._holes = any(c.evicted for c in rows)
         self._batched = positions.dim() == 2
         self._kpos_all = None
 
     # -- read-only views for the compiled kernels (runtime/packed_layers.py), which read and write the pages directly
     @property
     def evicted(self) -> bool:
-        """Some row has evicted or skipped pages (its K/V are then not simply its pages in order)."""
+        """Some row has evicted pages (its K/V are then not simply its pages in order)."""
         return self._holes
 
     @property

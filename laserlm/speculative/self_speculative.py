@@ -368,7 +368,7 @@ class SpeculativeDecoding:
         if st.budget is not None:
             predicted = self._cost(st, source, drafted)
             st.predicted_steps += predicted
-            st.cost_steps += st.budget.settle(len(emitted), self.clock() - c0, predicted, plain=drafted == 0)
+            st.cost_steps += st.budget.settle(len(emitted), self.clock() - c0, predicted, plain=source == "none")
         out = []
         for i, tok in enumerate(emitted):
             kind = "accepted" if i < accepted else ("bonus" if accepted == drafted else "correction")
