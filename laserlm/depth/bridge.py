@@ -103,7 +103,7 @@ class NoneBridge(Bridge):
             rs.valid[j][state.start] = False
         release = getattr(cache, "release_skipped", None)  # the paged pool: pages with no K/V go back
         if release is not None:
-            release({j: rs.valid[j] for j in range(layer, engine.num_layers)}, state.start)
+            release(rs.valid, state.start)  # layers below the exit hold this position: their page stays
         return engine.num_layers - layer
 
 
