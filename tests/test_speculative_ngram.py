@@ -234,6 +234,37 @@ def test_packed_weights_keep_the_verify_on_the_kernel(one_thread):
     assert max(_cycle_widths(events_f)) == 25
 
 
+def test_event_kinds_null_rates_and_the_packed_bank_cap(one_thread):
+    """Cycles that draft nothing are labelled ``plain`` (not ``bonus``); a run that never drafts reports its rates as
+    ``None`` (valid JSON, where NaN is not); on packed weights the loss budget's bank cap is sized for the draft
+    length ``step`` can use (``fast_rows - 1``), not the uncapped ``k``."""
+    import json
+
+    from laserlm.models.packing import pack_model
+
+    model = tiny_model(vocab=64)
+    engine = Engine(copy.deepcopy(model), max_seq_len=128)
+    prompt, n = list(range(1, 13)), 6  # no repeated n-gram in the prompt: nothing to draft at first
+    run = generate_tokens(engine, make_mode("speculative:draft=ngram,min_match=3,adaptive=0", engine),
+                          torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+    events = list(run)
+    s = run.summary()["speculative"]
+    kinds = {ev.info["kind"] for ev in events if "cycle" in ev.info}
+    if s["drafted"] == 0:
+        assert kinds == {"plain"} and s["acceptance_rate"] is None
+    assert "bonus" not in {ev.info["kind"] for ev in events if ev.info.get("drafted") == 0}
+    json.loads(json.dumps(s, allow_nan=False))  # no NaN anywhere
+    pack_model(model, "int8")
+    packed = Engine(model, max_seq_len=128)
+    spec = "speculative:draft=ngram,adaptive=0,k=40,loss_budget=1"
+    mode_p, mode_f = make_mode(spec, packed), make_mode(spec, engine)
+    st_p, st_f = mode_p.new_state(packed), mode_f.new_state(engine)
+    start = st_p.budget.start
+    assert st_p.budget.cap == pytest.approx(start + 2 * (mode_p._cost(st_p, "ngram", packed.fast_rows - 1) - 1))
+    assert st_f.budget.cap == pytest.approx(start + 2 * (mode_f._cost(st_f, "ngram", 40) - 1))
+    assert st_p.budget.cap < st_f.budget.cap
+
+
 # -- the loss budget: deterministic with a fake clock -------------------------------------------------
 class FakeClock:
     """Seconds = the modelled cost of the full-depth forwards run so far: a forward over ``w`` positions through

@@ -145,20 +145,21 @@ class SpeculativeStats:
     def summary(self) -> dict:
         """Rates: ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` = tokens emitted
         per verify forward including the correction/bonus token (EAGLE's tau; 1.0 = no gain); per source in
-        ``by_source``: ``tokens_per_verify`` and ``acceptance_rate``."""
+        ``by_source``: ``tokens_per_verify`` and ``acceptance_rate``. A rate with nothing to divide by (no draft,
+        no cycle) is ``None`` (JSON ``null``; a bare NaN is not valid JSON)."""
         c, d = max(self.cycles, 1), max(self.drafted, 1)
         by_source = {}
         for name, s in self.by_source.items():
             by_source[name] = {**s,
                                "tokens_per_verify": round(s["emitted"] / max(s["cycles"], 1), 4),
                                "acceptance_rate": (round(s["accepted"] / s["drafted"], 4) if s["drafted"]
-                                                   else float("nan"))}
+                                                   else None)}
         return {
             **asdict(self),
             "by_source": by_source,
-            "acceptance_rate": round(self.accepted / d, 4) if self.drafted else float("nan"),
-            "mean_accepted_length": round(self.emitted / c, 4) if self.cycles else float("nan"),
-            "mean_drafted": round(self.drafted / c, 4) if self.cycles else float("nan"),
+            "acceptance_rate": round(self.accepted / d, 4) if self.drafted else None,
+            "mean_accepted_length": round(self.emitted / c, 4) if self.cycles else None,
+            "mean_drafted": round(self.drafted / c, 4) if self.cycles else None,
             "draft_fraction": round(self.draft_s / max(self.draft_s + self.verify_s, 1e-12), 4),
         }
 
@@ -322,7 +323,8 @@ class SpeculativeDecoding:
         st = SpeculativeState(NgramIndex(self.max_ngram) if lookup else None, DraftPolicy(max_ngram=self.max_ngram),
                               head_fraction(engine))
         if self.loss_budget > 0:
-            longest = max(self._cost(st, src, self.k) for src in self.draft) - 1.0
+            k = self.k if engine.fast_rows is None else min(self.k, engine.fast_rows - 1)  # what step() can draft
+            longest = max(self._cost(st, src, k) for src in self.draft) - 1.0
             st.budget = LossBudget(self.loss_budget, self.loss_budget + 2 * longest)
         return st
 
@@ -371,7 +373,8 @@ class SpeculativeDecoding:
             st.cost_steps += st.budget.settle(len(emitted), self.clock() - c0, predicted, plain=source == "none")
         out = []
         for i, tok in enumerate(emitted):
-            kind = "accepted" if i < accepted else ("bonus" if accepted == drafted else "correction")
+            kind = ("plain" if drafted == 0 else "accepted" if i < accepted
+                    else "bonus" if accepted == drafted else "correction")
             out.append(Emitted(tok, layers / len(emitted),
                                {"cycle": st.cycles - 1, "drafted": drafted, "accepted": accepted, "kind": kind,
                                 "source": source}))
@@ -395,7 +398,7 @@ class SpeculativeDecoding:
             st.record("none", 0, 0)
             self._record_tokens(r, [e.token_id for e in emitted])
             for e in emitted:
-                e.info = {"cycle": st.cycles - 1, "drafted": 0, "accepted": 0, "kind": "bonus", "source": "none"}
+                e.info = {"cycle": st.cycles - 1, "drafted": 0, "accepted": 0, "kind": "plain", "source": "none"}
         return rows
 
     def _verify_cost(self, width: int) -> float:
