@@ -447,14 +447,19 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert set(art.heads) == {2, 4, 6} and art.router is not None
     thr = art.thresholds["gate_threshold"]
     assert 0 <= thr <= 1
-    # the complexity predictor: trained, certified (deferred bridge), stored and runnable as policy=predictor
+    # the complexity predictor: trained, certified like the gates (propagate decoding of the calibration chunks),
+    # stored and runnable as policy=predictor with the bridge it was certified for
     assert art.predictor is not None and art.predictor.exit_points == [2, 4, 6]
-    assert 0 <= art.thresholds["predictor_threshold"] <= 1 and s["predictor"]["bridge"] == "deferred"
-    assert "complexity predictor" in format_summary(s)
+    p = s["predictor"]
+    assert 0 <= art.thresholds["predictor_threshold"] <= 1 and p["bridge"] == "propagate"
+    assert p["calibration"]["threshold"] == p["threshold"] and p["held_out"]["positions"] == 64
+    assert sum(p["held_out"]["exit_histogram"].values()) == 64
+    assert "complexity predictor (pre-layer, propagate bridge)" in format_summary(s)
+    assert (tmp_path / "tiny.safetensors.work" / "propagate_predictor_calib.pt").is_file()
     from laserlm.depth import make_adaptive
 
     mode = make_adaptive(lm.engine, laser=str(out), policy="predictor", patience=0)
-    assert mode.bridge.name == "deferred" and mode.predictor is not None
+    assert mode.bridge.name == "propagate" and mode.predictor is not None
     out_score = mode.score(lm.engine, torch.randint(0, 100, (12,)))
     assert out_score.layers.shape == (12,)
     # resume with another target reuses the trained modules (identical heads) and re-calibrates

@@ -160,3 +160,46 @@ def test_certified_threshold_holds_on_held_out_split():
         assert binom_cdf(int(lo.sum()), int(keep.sum()), 1 - target) <= delta
     rep = held_out_report(pred, held_in, held_agree, 8, cal.threshold)
     assert rep["agreement"] >= target and rep["exit_fraction"] > 0.05  # holds, and it saves something
+
+
+def test_held_out_report_warns_when_the_predictor_sends_tokens_to_the_first_exit_and_they_disagree():
+    pred = ComplexityPredictor(64, [2, 4, 6], context=3, channels=8)
+    with torch.no_grad():  # every position exits at the first exit point (probability ~1 everywhere)
+        pred.out.weight.zero_()
+        pred.out.bias.fill_(20.0)
+    inputs, _ = _synthetic(400, 4)
+    wrong_first = torch.ones(3, 400, dtype=torch.bool)
+    wrong_first[0, ::4] = False  # a quarter of the first exit's tokens disagree with full depth
+    rep = held_out_report(pred, inputs, wrong_first, 8, threshold=0.5, allowed=0.05)
+    assert rep["exit_histogram"]["2"] == rep["positions"]
+    assert "complexity predictor looks biased toward shallow layers" in rep["warning"]
+    assert "(layer 2)" in rep["warning"] and "> the 0.050" in rep["warning"]
+    fine = held_out_report(pred, inputs, torch.ones(3, 400, dtype=torch.bool), 8, threshold=0.5, allowed=0.05)
+    assert "warning" not in fine  # shallow but lossless: no warning
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("uses_ats", [False, True])
+def test_batched_propagate_scoring_with_the_predictor_equals_token_by_token(uses_ats):
+    """score_batch (what calibration decodes with under the propagate bridge) keeps the predictor's state per
+    row: its exit layers and log-probabilities equal the scheduler's token-by-token propagate decoding of each
+    sequence alone (different lengths: right padding must not leak into a row's history)."""
+    from laserlm.depth.batched import score_batch, supports_batched_score
+
+    eng = tiny_engine(seed=6)
+    groups = make_groups("2", 8, 2)
+    pred = random_predictor(groups.exit_points, uses_ats, seed=7)
+    mode = AdaptiveDepth(eng, groups, PredictorPolicy(pred, 0.5), bridge="propagate", patience=0,
+                         ats_layer=1 if uses_ats else None)
+    assert supports_batched_score(mode)
+    g = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (30, 17, 24)]
+    got = score_batch(mode, eng, seqs)
+    exits = 0
+    for seq, r in zip(seqs, got):
+        ref = mode.score(eng, torch.tensor(seq))
+        assert r.layers.tolist() == ref.layers.tolist()
+        lp = torch.log_softmax(ref.logits.float(), -1)[:-1].gather(-1, torch.tensor(seq[1:])[:, None]).squeeze(-1)
+        torch.testing.assert_close(r.logprobs, lp.double(), atol=1e-4, rtol=1e-4)
+        exits += int((ref.layers[1:] < 8).sum())
+    assert 0 < exits < sum(len(s) - 1 for s in seqs)  # some exit, some do not: the test can fail

@@ -64,7 +64,7 @@ def run_layers_frozen(engine, a: int, b: int, h_in: torch.Tensor, exited: torch.
 def supports_batched_score(mode) -> bool:
     """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (propagate bridge, no patience)."""
     return (isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "patience", 1) == 0
-            and getattr(mode, "router", None) is None and getattr(mode, "predictor", None) is None)
+            and getattr(mode, "router", None) is None)
 
 
 @torch.inference_mode()
@@ -74,6 +74,10 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
 
     Sequences are right-padded; a row's padding comes after its real tokens, so with causal attention it never
     affects them. Memory: one KV cache of ``len(seqs)`` rows x the longest sequence.
+
+    With a complexity predictor in the policy (seed 000 §2.1), each row keeps its own predictor state, as the
+    scheduler keeps it per request: the embeddings of its last ``context`` tokens, the ATS its previous token got
+    and that token's exit depth; the prediction is made before the token's first layer.
 
     Raises:
         InvalidArgumentError: the mode is not propagate/patience 0, or an empty sequence.
@@ -99,7 +103,18 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
     argmax = torch.zeros(n_rows, t_max, dtype=torch.long)
     layers = torch.full((n_rows, t_max), float(L))
     prev = [None]  # the previous position's ATS-layer attention probs [B, H, S]
+    pred = getattr(mode, "predictor", None)
+    if pred is not None:  # per-row predictor state (DepthState.recent / last_ats / prev_exit of the scheduler)
+        from .predictor import predictor_scalars, window_embeddings, window_ids  # noqa: PLC0415
+
+        windows = torch.stack([window_ids(ids[r], pred.context) for r in range(n_rows)])  # [B, T, k + 1]
+        last_ats = [torch.full((n_rows,), float("nan"))]
+        prev_exit = torch.ones(n_rows)
     for t in range(t_max):
+        predicted = None
+        if pred is not None:  # before any layer of this position runs
+            scal = predictor_scalars(last_ats[0], prev_exit, pred.uses_ats)
+            predicted = torch.sigmoid(pred(window_embeddings(engine.adapter.embed, windows[:, t]), scal))
         h0, st = engine.begin(ids[:, t:t + 1], cache=cache)
         if ats_layer is not None:
             st.ctx.want_probs = frozenset({ats_layer})
@@ -113,11 +128,15 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
                 cur = st.ctx.probs[ats_layer][:, :, -1, :].float()  # [B, H, S]
                 ats = transition_score(prev[0], cur) if prev[0] is not None else torch.full((n_rows,), float("nan"))
                 prev[0] = cur
+                if pred is not None:
+                    last_ats[0] = ats.float()
             return h_in[:, 0], h[:, 0], ats
 
         res = walk_groups(mode.groups, mode.policy, lambda b: mode.head_at(engine, b), engine.head, n_rows, run_group,
-                          live=(lens > t) & (t > 0), finish=True)
+                          live=(lens > t) & (t > 0), finish=True, predicted=predicted)
         engine.commit(st)
+        if pred is not None:
+            prev_exit = res.exit_layer.float() / L
         logits = res.logits  # [B, V]; rows that exited have their exit head's logits
         layers[:, t] = res.exit_layer.float()
         argmax[:, t] = logits.argmax(-1)

@@ -61,12 +61,15 @@ class PropagateDecoding:
             that another target with the same trained modules re-decodes only thresholds not seen before.
         count: optional ``[N]`` bool, the positions whose losses are returned (and ``last_layers`` kept); the
             others still decode (they are context), e.g. the prompt positions of chat calibration text.
+        policy_at: optional ``threshold -> ExitPolicy`` replacing the gate policy, e.g. the complexity predictor's
+            :class:`~laserlm.depth.policies.PredictorPolicy` (then ``gates`` may be ``None``).
     """
 
-    def __init__(self, engine, groups, heads: dict, gates: dict, ats_layer, seqs, data: ExitStates,
+    def __init__(self, engine, groups, heads: dict, gates: dict | None, ats_layer, seqs, data: ExitStates,
                  full_nll: torch.Tensor, kind: str, batch: int = 32, progress: bool = True, cache_file=None,
-                 count: torch.Tensor | None = None):
+                 count: torch.Tensor | None = None, policy_at=None):
         self.engine, self.groups, self.heads, self.gates, self.ats_layer = engine, groups, heads, gates, ats_layer
+        self.policy_at = policy_at if policy_at is not None else (lambda lam: GatePolicy(self.gates, lam))
         self.seqs, self.full_top1, self.full_nll, self.kind = seqs, data.full_top1, full_nll, kind
         self.batch, self.progress = batch, progress
         self.last_layers = None
@@ -75,8 +78,8 @@ class PropagateDecoding:
         self._cache = torch.load(cache_file) if cache_file is not None and cache_file.is_file() else {}
 
     def mode(self, threshold: float) -> AdaptiveDepth:
-        """The adaptive mode the guarantee is about: gate policy at ``threshold``, propagate, patience 0."""
-        return AdaptiveDepth(self.engine, self.groups, GatePolicy(self.gates, threshold), "propagate", patience=0,
+        """The adaptive mode the guarantee is about: the policy at ``threshold``, propagate, patience 0."""
+        return AdaptiveDepth(self.engine, self.groups, self.policy_at(threshold), "propagate", patience=0,
                              heads=self.heads, ats_layer=self.ats_layer)
 
     def decode(self, threshold: float):
@@ -100,7 +103,7 @@ class PropagateDecoding:
         return out
 
     def __call__(self, threshold: float):
-        if threshold >= 1.0:  # gate probabilities never exceed 1: nobody exits, decoding is full depth
+        if threshold >= 1.0:  # probabilities never exceed 1: nobody exits, decoding is full depth
             n = self.full_top1.shape[0] if self.count is None else int(self.count.sum())
             self.last_layers = torch.full((n,), float(self.groups.num_layers))
             return torch.zeros(n, dtype=torch.float64), 0.0

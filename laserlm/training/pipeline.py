@@ -347,27 +347,67 @@ def _load_predictor(ctx, saved):
 
 
 def _predictor_thresholds(ctx):
-    """Certify the predictor's threshold on the calibration split (decisions made in order, exact states:
-    the ``deferred`` bridge) and measure it on the held-out split."""
-    cfg, L, pred = ctx["cfg"], ctx["L"], ctx["predictor"]
+    """Certify the predictor's threshold on the calibration split for the run's bridge, as the gates' is: under
+    ``propagate`` every candidate is tested by decoding the calibration chunks with the predictor's decisions
+    (:func:`laserlm.depth.batched.score_batch`, per-row predictor state); under ``deferred`` the decisions are
+    made in order on exact states. Then measure it on the held-out split."""
+    cfg, L, pred, exits = ctx["cfg"], ctx["L"], ctx["predictor"], ctx["exits"]
     t0 = time.perf_counter()
     g_agree, g_in = _predictor_data(ctx, ctx["gate_split"], ctx["g_out"])
-    c_agree, c_in = _predictor_data(ctx, ctx["calib"], ctx["c_out"])
     h_agree, h_in = _predictor_data(ctx, ctx["held"], ctx["after"])
-    stack = lambda d: torch.stack([d[e] for e in ctx["exits"]])  # noqa: E731
-    cands = candidate_thresholds(teacher_forced_probs(pred, g_in), num=60)
-    cal, _ = certify_predictor(pred, c_in, c_agree, L, target_agreement=cfg.target_agreement,
-                               max_ppl_increase=cfg.max_ppl_increase, nll=stack(ctx["c_out"].nll),
-                               full_nll=ctx["c_out"].full_nll, delta=cfg.delta, method=cfg.p_value, candidates=cands,
-                               counted=_counted(ctx, ctx["calib"]))
-    held = held_out_report(pred, h_in, h_agree, L, cal.threshold, counted=_counted(ctx, ctx["held"]))
+    allowed = (1 - cfg.target_agreement) if cfg.target_agreement is not None else None
+    if cfg.bridge == "deferred":
+        c_agree, c_in = _predictor_data(ctx, ctx["calib"], ctx["c_out"])
+        stack = lambda d: torch.stack([d[e] for e in exits])  # noqa: E731
+        cands = candidate_thresholds(teacher_forced_probs(pred, g_in), num=60)
+        cal, _ = certify_predictor(pred, c_in, c_agree, L, target_agreement=cfg.target_agreement,
+                                   max_ppl_increase=cfg.max_ppl_increase, nll=stack(ctx["c_out"].nll),
+                                   full_nll=ctx["c_out"].full_nll, delta=cfg.delta, method=cfg.p_value,
+                                   candidates=cands, counted=_counted(ctx, ctx["calib"]))
+        held = held_out_report(pred, h_in, h_agree, L, cal.threshold, counted=_counted(ctx, ctx["held"]),
+                               allowed=allowed)
+    else:
+        from ..depth.policies import PredictorPolicy  # noqa: PLC0415
+
+        kind = "agreement" if cfg.target_agreement is not None else "ppl_increase"
+        target, method = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
+        head_d = {e: ctx["heads"][str(e)] for e in exits}
+
+        def decoder(split, outputs, name):
+            return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, None, ctx["ats_layer"],
+                                     chunk_sequences(ctx["tokens"], split, cfg.seq_len), split, outputs.full_nll, kind,
+                                     progress=ctx["progress"], cache_file=ctx["work"] / f"propagate_predictor_{name}.pt",
+                                     count=_counted(ctx, split), policy_at=lambda lam: PredictorPolicy(pred, lam))
+
+        g_probs = teacher_forced_probs(pred, g_in)
+        g_count = _counted(ctx, ctx["gate_split"])
+        cal = fixed_sequence_test(grid_thresholds(g_probs if g_count is None else g_probs[:, g_count]),
+                                  decoder(ctx["calib"], ctx["c_out"], "calib"), target, cfg.delta, method,
+                                  on_test=lambda e: _say(f"predictor threshold {e['threshold']:.4f}: risk "
+                                                         f"{e['risk']:.4f}, {e['exit_fraction']:.1%} of tokens exit",
+                                                         ctx["progress"]))
+        held_dec = decoder(ctx["held"], ctx["after"], "held")
+        loss, _ = held_dec(cal.threshold if cal.threshold is not None else 1.0)
+        layers = held_dec.last_layers.double()
+        dec = torch.tensor([exits.index(int(x)) if int(x) in exits else len(exits) for x in layers], dtype=torch.long)
+        points = list(exits) + [L]
+        held = {"positions": int(loss.numel()), "mean_layers": round(float(layers.mean()), 3),
+                "exit_fraction": round(float((dec < len(exits)).double().mean()), 4),
+                "exit_histogram": {str(e): int((dec == i).sum()) for i, e in enumerate(points)}}
+        if kind == "agreement":
+            held["agreement"] = round(1 - float(loss.mean()), 5)
+        else:
+            held["ppl_increase"] = round(math.expm1(float(loss.mean())), 5)
+        bias = shallow_exit_bias(dec, loss, len(exits), allowed, who="complexity predictor")
+        if bias:
+            held["warning"] = bias.format(exit=exits[0])
     if cfg.target_agreement is not None:
         held["target_met"] = bool(held["agreement"] >= cfg.target_agreement)
     h_probs = teacher_forced_probs(pred, h_in)
-    auc = [round(auroc(h_probs[i], h_agree[i]), 4) for i in range(len(ctx["exits"]))]
+    auc = [round(auroc(h_probs[i], h_agree[i]), 4) for i in range(len(exits))]
     ctx["predictor_report"] = {
-        "bridge": "deferred", "threshold": cal.threshold, "calibration": {k: v for k, v in cal.to_dict().items()
-                                                                           if k != "curve"},
+        "bridge": cfg.bridge, "threshold": cal.threshold, "calibration": {k: v for k, v in cal.to_dict().items()
+                                                                          if k != "curve"},
         "held_out": held, "auroc_teacher_forced": auc, "train_curve": ctx.get("predictor_curve"),
         "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -392,7 +432,8 @@ STAGES = (
           owns=("propagate_calib.pt", "propagate_held.pt")),
     Stage("thresholds", _thresholds, after=("outputs",), settings=_threshold_settings, saves=False),
     Stage("predictor", _predictor, _load_predictor, after=("collect", "heads", "gates", "joint", "outputs"),
-          settings=lambda ctx: asdict(ctx["cfg"].predictor_train), when=lambda ctx: ctx["cfg"].predictor),
+          settings=lambda ctx: asdict(ctx["cfg"].predictor_train), when=lambda ctx: ctx["cfg"].predictor,
+          owns=("propagate_predictor_calib.pt", "propagate_predictor_held.pt")),
     Stage("predictor_thresholds", _predictor_thresholds, after=("outputs", "predictor"), settings=_threshold_settings,
           saves=False, when=lambda ctx: ctx["cfg"].predictor),
 )
@@ -405,9 +446,10 @@ SHALLOW_SHARE = 0.5  # share of the exits at the first exit point above which th
 SHALLOW_MIN_EXITS = 20
 
 
-def shallow_exit_bias(dec: torch.Tensor, loss: torch.Tensor, num_exits: int, allowed: float | None) -> str | None:
-    """A warning when the exit gates are biased toward shallow layers on held-out text (the seed's failure
-    mode), else ``None``: at least :data:`SHALLOW_MIN_EXITS` held-out positions exit, at least
+def shallow_exit_bias(dec: torch.Tensor, loss: torch.Tensor, num_exits: int, allowed: float | None,
+                      who: str = "exit gates") -> str | None:
+    """A warning when the exit gates (or ``who``: the complexity predictor) are biased toward shallow layers on
+    held-out text (the seed's failure mode), else ``None``: at least :data:`SHALLOW_MIN_EXITS` held-out positions exit, at least
     :data:`SHALLOW_SHARE` of them at the first exit point, and (when ``allowed`` is given, the target's allowed
     disagreement) their loss rate there exceeds ``allowed``.
 
@@ -427,7 +469,7 @@ def shallow_exit_bias(dec: torch.Tensor, loss: torch.Tensor, num_exits: int, all
     rate = float(loss[first].double().mean()) if first.any() else 0.0
     if allowed is not None and rate <= allowed:
         return None
-    return (f"exit gates look biased toward shallow layers: {share:.0%} of the held-out exits stop at the first "
+    return (f"{who} look{'s' if who.endswith('predictor') else ''} biased toward shallow layers: {share:.0%} of the held-out exits stop at the first "
             "exit point (layer {exit})" + (f", where the loss rate is {rate:.3f} > the {allowed:.3f} the target "
                                           "allows" if allowed is not None else "")
             + "; consider a larger --min-depth or more calibration text")
@@ -476,7 +518,8 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
         "calibration": {k: v for k, v in cal.to_dict().items() if k != "curve"},
         "held_out": measured, "per_exit": per_exit, "router": ctx["router_report"],
         "predictor": ctx.get("predictor_report"),
-        "warnings": [bias.format(exit=exits[0] if exits else 0)] if bias else [],
+        "warnings": ([bias.format(exit=exits[0] if exits else 0)] if bias else [])
+                    + ([w] if (w := (ctx.get("predictor_report") or {}).get("held_out", {}).get("warning")) else []),
         "text": ctx["text_report"],
         "head_kl_first_last": [head_curve[0], head_curve[-1]] if head_curve else None,
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
@@ -581,10 +624,10 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     thresholds = {"gate_threshold": cal.threshold if cal.threshold is not None else 1.0}
     config = {"groups": groups.describe(), "min_depth": groups.min_depth, "policy": "gate",
               "ats_layer": ctx["ats_layer"], "bridge": cfg.bridge, "patience": 0, "calibration": summary}
-    if ctx["predictor_report"] is not None:  # policy=predictor reads these; certified on exact states
+    if ctx["predictor_report"] is not None:  # policy=predictor reads these; certified for the run's bridge
         thr = ctx["predictor_report"]["threshold"]
         thresholds["predictor_threshold"] = thr if thr is not None else 1.0
-        config["predictor_bridge"] = "deferred"
+        config["predictor_bridge"] = cfg.bridge
     save_laser_file(output, lm, LaserArtifact(heads={e: heads[str(e)] for e in exits},
                                               gates={e: gates[str(e)] for e in exits}, router=ctx["router"],
                                               predictor=ctx["predictor"], thresholds=thresholds, config=config),
@@ -620,8 +663,10 @@ def format_summary(s: dict) -> str:
     if p:
         ph = p["held_out"]
         thr = "none (never exits)" if p["threshold"] is None else f"{p['threshold']:.4f}"
-        lines.append(f"  complexity predictor (pre-layer, deferred bridge): threshold {thr}; held-out agreement "
-                     f"{ph['agreement']:.4f}, mean layers {ph['mean_layers']:.2f}, {ph['exit_fraction']:.1%} exit "
+        measured = (f"agreement {ph['agreement']:.4f}" if ph.get("agreement") is not None
+                    else f"perplexity increase {ph['ppl_increase']:.2%}")
+        lines.append(f"  complexity predictor (pre-layer, {p.get('bridge', 'deferred')} bridge): threshold {thr}; "
+                     f"held-out {measured}, mean layers {ph['mean_layers']:.2f}, {ph['exit_fraction']:.1%} exit "
                      f"(use with adaptive:laser=PATH,policy=predictor)")
     lines.append(f"  time: {s['timings_s']}")
     return "\n".join(lines)

@@ -176,9 +176,13 @@ def certify_predictor(predictor: ComplexityPredictor, inputs: PredictorInputs, a
 
 
 def held_out_report(predictor: ComplexityPredictor, inputs: PredictorInputs, agree: torch.Tensor, num_layers: int,
-                    threshold: float | None, counted: torch.Tensor | None = None) -> dict:
+                    threshold: float | None, counted: torch.Tensor | None = None, allowed: float | None = None) -> dict:
     """Measured agreement, mean layers and exit fraction of the predictor at ``threshold`` on a held-out split
-    (decisions made in order, as when decoding)."""
+    (decisions made in order, as when decoding). A ``"warning"`` entry appears when the predictor's exits are
+    biased toward the first exit point (:func:`laserlm.training.pipeline.shallow_exit_bias`; ``allowed``: the
+    target's allowed disagreement rate)."""
+    from .pipeline import shallow_exit_bias  # noqa: PLC0415  (pipeline imports this module)
+
     keep = ~inputs.first if counted is None else (counted & ~inputs.first)
     E = agree.shape[0]
     if threshold is None:
@@ -187,9 +191,13 @@ def held_out_report(predictor: ComplexityPredictor, inputs: PredictorInputs, agr
         d = sequential_decisions(predictor, inputs, [threshold], num_layers)[0]
     loss = position_losses(d, agree)[keep]
     layers = torch.tensor(list(predictor.exit_points) + [num_layers], dtype=torch.float64)[d[keep]]
-    return {"positions": int(keep.sum()), "agreement": round(1 - float(loss.mean()), 5),
+    report = {"positions": int(keep.sum()), "agreement": round(1 - float(loss.mean()), 5),
             "mean_layers": round(float(layers.mean()), 3), "exit_fraction": round(float((d[keep] < E).double().mean()), 4),
             "exit_histogram": {str(e): int((d[keep] == i).sum()) for i, e in enumerate(list(predictor.exit_points) + [num_layers])}}
+    bias = shallow_exit_bias(d[keep], loss, E, allowed, who="complexity predictor")
+    if bias:
+        report["warning"] = bias.format(exit=predictor.exit_points[0])
+    return report
 
 
 __all__ = ["PredictorInputs", "PredictorTrainConfig", "candidate_thresholds", "certify_predictor", "exit_index",
