@@ -125,6 +125,12 @@ def add_parser(subparsers) -> None:
                    help="joint-stage linear warm-up steps (default: %(default)s)")
     p.add_argument("--grad-clip", type=_positive(float, "--grad-clip"), default=1.0,
                    help="gradient-norm clipping (default: %(default)s, seed 004)")
+    p.add_argument("--adaptive-clip", action="store_true",
+                   help="clip at the 10th percentile of the last 100 gradient norms, within the seed's 0.2-1.0 "
+                        "(AutoClip); off by default: no measured gain (benchmarks/RESULTS.md, training guidance)")
+    p.add_argument("--cross-layer-norm", action="store_true",
+                   help="give every exit point's modules a gradient of the same norm (the seed's cross-layer "
+                        "gradient normalisation); off by default: no measured gain (benchmarks/RESULTS.md)")
     p.add_argument("--threshold-decay", type=_probability("--threshold-decay"), default=0.95,
                    help="joint-stage exit-threshold decay per epoch (default: %(default)s, seed 004)")
     p.add_argument("--no-predictor", action="store_true",
@@ -162,12 +168,15 @@ def config_from_args(args):
         eval_tokens=args.eval_tokens, adapter=args.adapter, rank=args.rank, use_ats=not args.no_ats,
         gate_features=args.gate_features, bridge=args.bridge,
         heads=HeadTrainConfig(steps=args.head_steps, batch_tokens=args.batch_tokens, lr=args.head_lr,
-                              grad_clip=args.grad_clip, seed=args.seed),
+                              grad_clip=args.grad_clip, adaptive_clip=args.adaptive_clip,
+                              cross_layer_norm=args.cross_layer_norm, seed=args.seed),
         gates=GateTrainConfig(steps=args.gate_steps, seed=args.seed),
         predictor=not args.no_predictor,
         predictor_train=PredictorTrainConfig(steps=args.predictor_steps, seed=args.seed),
         joint=JointTrainConfig(epochs=args.joint_epochs, lr=args.joint_lr, warmup_steps=args.warmup_steps,
-                               grad_clip=args.grad_clip, threshold_decay=args.threshold_decay, seed=args.seed),
+                               grad_clip=args.grad_clip, adaptive_clip=args.adaptive_clip,
+                               cross_layer_norm=args.cross_layer_norm, threshold_decay=args.threshold_decay,
+                               seed=args.seed),
         router_prompts=args.router_prompts, target_agreement=target, max_ppl_increase=args.max_ppl_increase,
         delta=args.delta, p_value=args.p_value,
     ).validate()

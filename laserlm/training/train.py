@@ -11,6 +11,12 @@ Defaults and their sources:
   LR (Belrose et al. 2023 train their lenses at 1e-3 as well).
 - joint stage LR ``3e-5`` with linear warm-up, gradient clipping at 1.0, exit-threshold decay 0.95 per
   epoch: seed 004.
+- two further options from the seed's guidance, off by default until a measurement supports them
+  (benchmarks/ablate_training.py, RESULTS "Training guidance"): *adaptive clipping* inside the seed's
+  0.2-1.0 range (the clip follows a low percentile of the recent gradient norms: AutoClip, Seetharaman et al.
+  2020) and *cross-layer gradient normalisation* (each exit point's parameters get a gradient of the same
+  norm, the mean over exits: the "gradient equilibrium" of Li et al. 2019, "Improved techniques for training
+  adaptive deep networks", applied to the per-exit modules because the backbone is frozen).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class HeadTrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     grad_clip: float = 1.0
+    adaptive_clip: bool = False      # clip at a low percentile of recent norms, within [0.2, 1.0] (seed range)
+    cross_layer_norm: bool = False   # equal gradient norm per exit point (gradient equilibrium)
     seed: int = 0
     bf16_head: bool = True  # LM-head matmuls of training steps in bfloat16; evaluation stays float32
 
@@ -67,6 +75,8 @@ class JointTrainConfig:
     lr: float = 3e-5
     warmup_steps: int = 20
     grad_clip: float = 1.0
+    adaptive_clip: bool = False
+    cross_layer_norm: bool = False
     exit_threshold: float = 0.9
     threshold_decay: float = 0.95
     exit_weight: float = 1.0
@@ -95,11 +105,61 @@ def lr_lambda(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
-def _optimizer_step(loss: torch.Tensor, opt, sched, params, grad_clip: float) -> float:
-    """Backward, clip the gradient norm to ``grad_clip``, step optimizer and schedule; returns the loss value."""
+ADAPTIVE_CLIP_RANGE = (0.2, 1.0)  # seed 004: "gradient clipping adjusted between 0.2 and 1.0"
+ADAPTIVE_CLIP_PERCENTILE = 10    # AutoClip (Seetharaman et al. 2020) clips at the 10th percentile of past norms
+ADAPTIVE_CLIP_WINDOW = 100       # recent steps the percentile is taken over
+
+
+class GradientControl:
+    """What happens to the gradients between ``backward`` and the optimizer step.
+
+    1. ``cross_layer_norm``: each group (one exit point's parameters) is rescaled so that its gradient norm is the
+       mean of the groups' norms (total size kept; exits whose loss is small no longer get a small update, the
+       "gradient equilibrium" of Li et al. 2019).
+    2. Clipping of the total norm to ``grad_clip``; with ``adaptive_clip`` the clip is the 10th percentile of the
+       last 100 pre-clip norms, kept within [0.2, 1.0] (AutoClip, Seetharaman et al. 2020, in the seed's range).
+
+    ``__call__()`` returns the total gradient norm before clipping.
+    """
+
+    def __init__(self, groups: list[list[torch.Tensor]], grad_clip: float, adaptive_clip: bool = False,
+                 cross_layer_norm: bool = False):
+        self.groups = [g for g in groups if g]
+        self.params = [p for g in self.groups for p in g]
+        self.grad_clip, self.adaptive_clip, self.cross_layer_norm = grad_clip, adaptive_clip, cross_layer_norm
+        self.history: list[float] = []
+
+    def clip_value(self) -> float:
+        if not self.adaptive_clip:
+            return self.grad_clip
+        lo, hi = ADAPTIVE_CLIP_RANGE
+        if not self.history:
+            return hi
+        recent = sorted(self.history[-ADAPTIVE_CLIP_WINDOW:])
+        q = recent[min(len(recent) - 1, len(recent) * ADAPTIVE_CLIP_PERCENTILE // 100)]
+        return min(hi, max(lo, q))
+
+    def __call__(self) -> float:
+        if self.cross_layer_norm and len(self.groups) > 1:
+            norms = [torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in g
+                                                           if p.grad is not None])) for g in self.groups]
+            mean = torch.stack(norms).mean()
+            for g, n in zip(self.groups, norms):
+                if n > 0:
+                    for p in g:
+                        if p.grad is not None:
+                            p.grad.mul_(mean / n)
+        clip = self.clip_value()
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, clip))
+        self.history.append(norm)
+        return norm
+
+
+def _optimizer_step(loss: torch.Tensor, opt, sched, control: GradientControl) -> float:
+    """Backward, normalise / clip the gradients (``control``), step optimizer and schedule; returns the loss value."""
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    control()
     opt.step()
     sched.step()
     return float(loss.detach())
@@ -176,6 +236,8 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
         first = heads[str(data.exit_points[0])]
         fast = Bf16Logits(first._base)
         teacher_fn = fast
+    control = GradientControl([[p for p in heads[str(e)].parameters() if p.requires_grad] for e in data.exit_points],
+                              cfg.grad_clip, cfg.adaptive_clip, cfg.cross_layer_norm)
     bar = tqdm(range(cfg.steps), desc="train exit heads", unit="step", disable=not progress)
     for _ in bar:
         idx = torch.randint(0, n, (min(cfg.batch_tokens, n),), generator=g)
@@ -187,7 +249,7 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
             student = fast(head.adapt(h)) if fast is not None else head(h)
             loss = loss + kl_distillation(student, teacher)
         loss = loss / len(data.exit_points)
-        losses.append(_optimizer_step(loss, opt, sched, params, cfg.grad_clip))
+        losses.append(_optimizer_step(loss, opt, sched, control))
         bar.set_postfix(kl=f"{losses[-1]:.3f}")
     return losses
 
@@ -255,6 +317,8 @@ def joint_finetune(heads: nn.ModuleDict, gates: nn.ModuleDict, teacher_fn, data:
     params = [p for m in (heads, gates) for p in m.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps))
+    control = GradientControl([[p for m in (heads[str(e)], gates[str(e)]) for p in m.parameters() if p.requires_grad]
+                               for e in data.exit_points], cfg.grad_clip, cfg.adaptive_clip, cfg.cross_layer_norm)
     g = torch.Generator().manual_seed(cfg.seed)
     n, threshold, losses = len(data), cfg.exit_threshold, []
     for epoch in range(cfg.epochs):
@@ -278,7 +342,7 @@ def joint_finetune(heads: nn.ModuleDict, gates: nn.ModuleDict, teacher_fn, data:
                 total = total + (weight * kl).mean() + cfg.gate_loss_weight * binary_focal_loss(
                     gate_logit, label, gamma=cfg.gamma)
             loss = total / len(data.exit_points)
-            losses.append(_optimizer_step(loss, opt, sched, params, cfg.grad_clip))
+            losses.append(_optimizer_step(loss, opt, sched, control))
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         threshold *= cfg.threshold_decay
     return losses
