@@ -203,3 +203,81 @@ def test_batched_propagate_scoring_with_the_predictor_equals_token_by_token(uses
         torch.testing.assert_close(r.logprobs, lp.double(), atol=1e-4, rtol=1e-4)
         exits += int((ref.layers[1:] < 8).sum())
     assert 0 < exits < sum(len(s) - 1 for s in seqs)  # some exit, some do not: the test can fail
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("bridge,uses_ats", [("propagate", True), ("none", False), ("deferred", True)])
+def test_planned_route_equals_the_group_walk_in_one_layer_run(bridge, uses_ats, monkeypatch):
+    """With the predictor alone the scheduler plans each token's route before its first layer and runs the layers up
+    to the planned exit in one call; tokens, exit layers and logits equal the group-by-group walk's (the same mode
+    with planning switched off). Under ``deferred`` a pending token forces the walk, which must still agree."""
+    from laserlm.runtime.loop import SamplingParams, generate_tokens
+
+    eng = tiny_engine(seed=9)
+    groups = make_groups("2", 8, 2)
+    pred = random_predictor(groups.exit_points, uses_ats, seed=10)
+    mode = AdaptiveDepth(eng, groups, PredictorPolicy(pred, 0.5), bridge=bridge, patience=0)
+    prompt = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(11))
+    calls = []
+    run_layers = eng.run_layers
+
+    def counted(a, b, h, st):
+        calls.append((a, b))
+        return run_layers(a, b, h, st)
+
+    monkeypatch.setattr(eng, "run_layers", counted)
+
+    def run():
+        calls.clear()
+        events = list(generate_tokens(eng, mode, prompt, SamplingParams(max_new_tokens=24), 24))
+        return [e.token_id for e in events], [e.info.get("exit_layer") for e in events], list(calls)
+
+    ids = torch.randint(0, 128, (30,), generator=torch.Generator().manual_seed(12))
+    planned_tokens, planned_layers, planned_calls = run()
+    planned_score = mode.score(eng, ids)
+    monkeypatch.setattr(AdaptiveDepth, "_planned_exit", lambda self, rs, predicted: None)
+    walk_tokens, walk_layers, walk_calls = run()
+    walk_score = mode.score(eng, ids)
+    assert planned_tokens == walk_tokens and planned_layers == walk_layers
+    assert torch.equal(planned_score.layers, walk_score.layers)
+    torch.testing.assert_close(planned_score.logits, walk_score.logits, atol=1e-5, rtol=1e-5)
+    exits = [x for x in planned_layers[1:] if x < 8]
+    assert 0 < len(exits) < len(planned_layers) - 1  # some tokens exit, some do not: the test can fail
+    if bridge != "deferred":  # one layer run per token (plus the prompt's), where the walk ran one per group
+        assert len(planned_calls) == len(planned_tokens)
+        assert len(walk_calls) > len(planned_calls)
+
+
+@torch.inference_mode()
+def test_planned_route_on_the_packed_smollm2_kernel(monkeypatch):
+    """The planned route on the real model's packed (native Q4_1) weights, where a layer range is one compiled
+    kernel call: the same tokens and exit layers as the group walk, and one layer run per token."""
+    import laserlm
+    from laserlm.runtime.loop import SamplingParams, generate_tokens
+
+    lm = laserlm.load("smollm2-135m", weights="native")
+    eng = lm.engine
+    groups = make_groups(None, eng.num_layers, None)
+    torch.manual_seed(13)
+    pred = ComplexityPredictor(eng.config.hidden_size, groups.exit_points, context=3, channels=8, uses_ats=True)
+    with torch.no_grad():  # exit at the first exit point after a full-depth token, else not: alternating routes
+        pred.out.weight.zero_()
+        pred.out.weight[:, -1] = 20.0  # the previous exit depth (1.0 after a full-depth token)
+        pred.out.bias.fill_(-10.0)
+    mode = AdaptiveDepth(eng, groups, PredictorPolicy(pred.eval(), 0.5), bridge="propagate", patience=0)
+    prompt = torch.tensor(lm.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"])
+    calls = []
+    run_layers = eng.run_layers
+    monkeypatch.setattr(eng, "run_layers", lambda a, b, h, st: calls.append((a, b)) or run_layers(a, b, h, st))
+
+    def run():
+        calls.clear()
+        events = list(generate_tokens(eng, mode, prompt, SamplingParams(max_new_tokens=16), 16))
+        return [e.token_id for e in events], [e.info.get("exit_layer") for e in events], len(calls)
+
+    planned = run()
+    monkeypatch.setattr(AdaptiveDepth, "_planned_exit", lambda self, rs, predicted: None)
+    walked = run()
+    assert planned[:2] == walked[:2]
+    assert 0 < sum(x < eng.num_layers for x in planned[1][1:]) < 15  # some exit, some do not
+    assert planned[2] == 16 and walked[2] > planned[2]

@@ -37,9 +37,9 @@ from ..runtime.modes import ScoreOutput
 from .batched import run_layers_frozen
 from .bridge import Bridge, DeferredBridge, PendingToken, PropagateBridge, make_bridge
 from .groups import LayerGroups
-from .policies import ExitPolicy, find_predictor, transition_score
+from .policies import ExitPolicy, PredictorPolicy, find_predictor, transition_score
 from .stats import summarize_events
-from .walk import PatienceState, update_patience, walk_groups
+from .walk import PatienceState, WalkResult, update_patience, walk_groups
 
 ROUTER_PROMPT = 64  # tokens the router sees when scoring a sequence teacher-forced (calibration's prompt length)
 
@@ -186,6 +186,34 @@ class AdaptiveDepth:
                            final_head or engine.head, 1, run_group, locked=locked,
                            route=torch.tensor([rs.route_layer]), predicted=predicted)
 
+    def _planned_exit(self, rs: DepthState, predicted: torch.Tensor | None) -> int | None:
+        """The exit group of a token whose route the complexity predictor fixes before its first layer, or ``None``
+        when the walk must decide group by group: another rule joins the predictor, a patience lock or a router
+        cap applies. The rule is the walk's: the first group at or above min depth whose end is one of the
+        predictor's exit points with probability ``> threshold``; the last group = full depth."""
+        if predicted is None or type(self.policy) is not PredictorPolicy or rs.patience.locked is not None:
+            return None
+        L, bounds = self.groups.num_layers, self.groups.bounds
+        if rs.route_layer < L:
+            return None
+        points, thr = self.predictor.exit_points, self.policy.threshold
+        for g, (_, b) in enumerate(bounds):
+            if b == L:
+                break
+            if self.groups.can_exit(g) and b in points and bool(predicted[0, points.index(b)] > thr):
+                return g
+        return len(bounds) - 1
+
+    def _run_planned(self, engine, run_group, group: int) -> WalkResult:
+        """Run a planned route: the layers up to the planned exit in one call (one kernel run on packed weights
+        instead of one per group), then that exit's head; the same result as :func:`walk_groups` would give."""
+        L, b = self.groups.num_layers, self.groups.bounds[group][1]
+        _, h, _ = run_group(group, 0, b, None)
+        exited = b < L
+        logits = (self.head_at(engine, b) if exited else engine.head)(h).float()
+        return WalkResult(torch.tensor([group]), torch.tensor([b]), torch.tensor([exited]), logits,
+                          torch.tensor([int(exited)]), torch.tensor([False]))
+
     def _after_token(self, rs: DepthState, res) -> None:
         exit_group = int(res.exit_group[0]) if bool(res.exited[0]) else None
         rs.patience = update_patience(rs.patience, self.patience, exit_group, bool(res.lock_failed[0]))
@@ -246,7 +274,11 @@ class AdaptiveDepth:
             return h_in[:, 0], run["h"][:, 0], ats
 
         predicted = self._predict(engine, rs, token_id)  # before any layer of this token has run
-        res = self._walk(engine, run_group, rs, predicted=predicted)
+        plan = self._planned_exit(rs, predicted) if pend is None else None
+        if plan is not None:  # the predictor fixed the route: no per-group walk (seed 000 §2.1)
+            res = self._run_planned(engine, run_group, plan)
+        else:
+            res = self._walk(engine, run_group, rs, predicted=predicted)
         h, joint, deferred = run["h"], run["joint"], run["deferred"]
         exit_layer = int(res.exit_layer[0])
         self._remember(engine, rs, token_id, exit_layer)
