@@ -281,3 +281,35 @@ def test_planned_route_on_the_packed_smollm2_kernel(monkeypatch):
     assert planned[:2] == walked[:2]
     assert 0 < sum(x < eng.num_layers for x in planned[1][1:]) < 15  # some exit, some do not
     assert planned[2] == 16 and walked[2] > planned[2]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("policy", ["gate", "predictor", "gate+predictor"])
+def test_a_threshold_of_one_runs_the_plain_full_depth_path(policy, monkeypatch):
+    """A certified threshold of 1.0 means "never exit" (a probability never exceeds 1): the scheduler then runs each
+    token's layers in one call, without the group walk, exit checks or the predictor, and its tokens equal full
+    depth's."""
+    from laserlm.depth import ExitGate
+    from laserlm.depth.policies import AllOf, GatePolicy
+    from laserlm.modes import make_mode
+    from laserlm.runtime.loop import SamplingParams, generate_tokens
+
+    eng = tiny_engine(seed=14)
+    groups = make_groups("2", 8, 2)
+    gates = {e: ExitGate(64, uses_ats=True, features="state") for e in groups.exit_points}
+    pred = random_predictor(groups.exit_points, uses_ats=True, seed=15)
+    parts = {"gate": GatePolicy(gates, 1.0), "predictor": PredictorPolicy(pred, 1.0)}
+    chosen = [parts[p] for p in policy.split("+")]
+    pol = chosen[0] if len(chosen) == 1 else AllOf(chosen)
+    assert pol.never_exits and not GatePolicy(gates, 0.999).never_exits
+    mode = AdaptiveDepth(eng, groups, pol, bridge="propagate", patience=0)
+    prompt = torch.randint(0, 128, (7,), generator=torch.Generator().manual_seed(16))
+    want = [e.token_id for e in generate_tokens(eng, make_mode("full", eng), prompt, SamplingParams(max_new_tokens=12), 12)]
+    calls, predictions = [], []
+    run_layers = eng.run_layers
+    monkeypatch.setattr(eng, "run_layers", lambda a, b, h, st: calls.append((a, b)) or run_layers(a, b, h, st))
+    monkeypatch.setattr(AdaptiveDepth, "_predict", lambda *a: predictions.append(1))
+    events = list(generate_tokens(eng, mode, prompt, SamplingParams(max_new_tokens=12), 12))
+    assert [e.token_id for e in events] == want
+    assert calls == [(0, 8)] * 12 and not predictions  # one run per token (the prompt's included), no prediction
+    assert all(e.info["exit_layer"] == 8 for e in events)

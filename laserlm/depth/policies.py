@@ -111,6 +111,12 @@ class ExitPolicy:
 
     needs_ats = False
 
+    @property
+    def never_exits(self) -> bool:
+        """True when no input can make this policy exit (e.g. a probability threshold of 1: a certified threshold
+        of 1.0 means "never exit"); the scheduler then runs the plain full-depth path, without checks."""
+        return False
+
     def decide_batch(self, points: BatchPoint) -> torch.Tensor:  # pragma: no cover - interface
         """``[n]`` bool: the decision for every row."""
         raise NotImplementedError
@@ -235,6 +241,10 @@ class GatePolicy(ExitPolicy):
         with torch.no_grad():
             return torch.sigmoid(gate(points.hidden, scalars)) > self.threshold
 
+    @property
+    def never_exits(self) -> bool:
+        return self.threshold >= 1.0  # a sigmoid never exceeds 1
+
     def describe(self):
         return f"gate>{self.threshold:g}"
 
@@ -266,6 +276,10 @@ class PredictorPolicy(ExitPolicy):
         if points.layer not in self.predictor.exit_points:
             return torch.zeros(len(points), dtype=torch.bool)
         return points.predicted[:, self.predictor.exit_points.index(points.layer)] > self.threshold
+
+    @property
+    def never_exits(self) -> bool:
+        return self.threshold >= 1.0
 
     def describe(self):
         return f"predictor>{self.threshold:g}"
@@ -305,6 +319,10 @@ class _Combined(ExitPolicy):
             sub = points if rows.numel() == len(points) else points.select(rows)
             out[rows] = p.decide_batch(sub)
         return out
+
+    @property
+    def never_exits(self) -> bool:  # all: one member that never exits blocks every exit; any: every member must
+        return (any if self.combine is all else all)(p.never_exits for p in self.policies)
 
     def describe(self):
         return self.separator.join(p.describe() for p in self.policies)

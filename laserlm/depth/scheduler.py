@@ -187,14 +187,18 @@ class AdaptiveDepth:
                            route=torch.tensor([rs.route_layer]), predicted=predicted)
 
     def _planned_exit(self, rs: DepthState, predicted: torch.Tensor | None) -> int | None:
-        """The exit group of a token whose route the complexity predictor fixes before its first layer, or ``None``
-        when the walk must decide group by group: another rule joins the predictor, a patience lock or a router
-        cap applies. The rule is the walk's: the first group at or above min depth whose end is one of the
-        predictor's exit points with probability ``> threshold``; the last group = full depth."""
-        if predicted is None or type(self.policy) is not PredictorPolicy or rs.patience.locked is not None:
-            return None
+        """The exit group of a token whose route is known before its first layer, or ``None`` when the walk must
+        decide group by group (a patience lock or a router cap applies, or a rule reads the token's own states).
+        Known routes: a policy that can never exit (:attr:`ExitPolicy.never_exits`, e.g. a certified threshold of
+        1.0) runs full depth; the complexity predictor alone fixes the route by the walk's rule: the first group at
+        or above min depth whose end is one of its exit points with probability ``> threshold``; the last group =
+        full depth."""
         L, bounds = self.groups.num_layers, self.groups.bounds
-        if rs.route_layer < L:
+        if rs.patience.locked is not None or rs.route_layer < L:
+            return None
+        if getattr(self.policy, "never_exits", False):
+            return len(bounds) - 1
+        if predicted is None or type(self.policy) is not PredictorPolicy:
             return None
         points, thr = self.predictor.exit_points, self.policy.threshold
         for g, (_, b) in enumerate(bounds):
@@ -273,9 +277,10 @@ class AdaptiveDepth:
             ats = self._ats(st, rs) if self.ats_layer is not None and a <= self.ats_layer < b else None
             return h_in[:, 0], run["h"][:, 0], ats
 
-        predicted = self._predict(engine, rs, token_id)  # before any layer of this token has run
+        # before any layer of this token has run (not needed when nothing can exit)
+        predicted = None if getattr(self.policy, "never_exits", False) else self._predict(engine, rs, token_id)
         plan = self._planned_exit(rs, predicted) if pend is None else None
-        if plan is not None:  # the predictor fixed the route: no per-group walk (seed 000 §2.1)
+        if plan is not None:  # the route is known (the predictor's plan, seed 000 §2.1): no per-group walk
             res = self._run_planned(engine, run_group, plan)
         else:
             res = self._walk(engine, run_group, rs, predicted=predicted)
