@@ -11,7 +11,8 @@ and the second half of each chunk's positions (the seed's claim for cross-layer 
 long sequences). Variants:
 
 - head stage (stage 1, always run): clip 1.0 (default, seed 004) / no clipping / clip 0.2 / adaptive clip in
-  [0.2, 1.0] / cross-layer gradient normalisation;
+  [0.2, 1.0] / cross-layer gradient normalisation; and the default with two other random seeds (batch order), the
+  spread any difference has to exceed;
 - joint stage (stage 2, optional): off (default) / on with the seed's recipe (LR 3e-5, warm-up, threshold decay
   0.95, clip 1.0) / without warm-up / without threshold decay / adaptive clip / cross-layer normalisation;
 - min depth: a quarter of the layers (default, seed) / an eighth / a half.
@@ -45,6 +46,8 @@ def variants(L: int, joint_epochs: int, joint_steps: int):
     yield "heads: adaptive clip", {"heads": {"adaptive_clip": True}}
     yield "heads: cross-layer norm", {"heads": {"cross_layer_norm": True}}
     yield "heads: clip 1.0 (default)", {}
+    yield "heads: clip 1.0, seed 1", {"heads": {"seed": 1}}  # the seed-to-seed spread the differences compare with
+    yield "heads: clip 1.0, seed 2", {"heads": {"seed": 2}}
     yield "joint: seed recipe", {"joint": dataclasses.asdict(joint())}
     yield "joint: no warm-up", {"joint": dataclasses.asdict(joint(warmup_steps=0))}
     yield "joint: no threshold decay", {"joint": dataclasses.asdict(joint(threshold_decay=1.0))}
