@@ -130,8 +130,8 @@ def main(argv=None) -> int:
                     if "speculative" in r.extra:
                         row["spec"].append(r.extra["speculative"])
                     print(f"{set_name}[{pi}] rep{rep} {name:<48} tg {tg:7.2f} t/s  e2e {e2e:7.2f} t/s"
-                          + (f"  acc {r.extra['speculative']['acceptance_rate']:.3f}"
-                             f" tau {r.extra['speculative']['mean_accepted_length']:.3f}" if "speculative" in r.extra else ""),
+                          + (f"  acc {r.extra['speculative']['acceptance_rate'] or 0:.3f}"
+                             f" tau {r.extra['speculative']['mean_accepted_length'] or 0:.3f}" if "speculative" in r.extra else ""),
                           file=sys.stderr, flush=True)
     summary = []
     for name, row in rows.items():

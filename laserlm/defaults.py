@@ -80,8 +80,9 @@ SPECULATIVE_FILE = "speculative.json"
 # on Zen 3 (2 idle cores); the chat recipe (its own greedy answers first) took 26 min on Zen 3 at 1 thread under
 # load, so ~15 min on 2 idle cores was the estimate; gemma3 estimated at twice that. Since the complexity predictor
 # is certified under propagate decoding like the gates (2026-12-03) its stage costs about as much as the gates'
-# threshold stage (227 s each in a small-recipe run, 35 % of its 646 s), so both estimates grow by about a third
-BUILD_MINUTES = {"smollm2-135m": 20, "gemma3-270m": 40}
+# threshold stage (small-recipe runs: +227 s on 419 s for smollm2, +480 s on ~1080 s for gemma3), so the estimates
+# grow by about half and a third
+BUILD_MINUTES = {"smollm2-135m": 22, "gemma3-270m": 40}
 # the calibration text of the adaptive default: the model's own greedy answers to chat prompts drawn from these
 # dev/valid files under the data directory (laserlm.training.chat_text; the shipped prompts stay held out)
 CHAT_PROMPT_SOURCES = ("arc/ARC-Easy-Dev.jsonl", "arc/ARC-Challenge-Dev.jsonl", "piqa/valid.jsonl")

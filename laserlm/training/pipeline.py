@@ -40,8 +40,9 @@ from .predictor import (PredictorTrainConfig, certify_predictor, held_out_report
 from .router import collect_router_data, train_router
 from .stages import Stage, StageRunner
 from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
-from .thresholds import (calibrate_threshold, candidate_thresholds, exit_decisions, fixed_sequence_test,
-                         position_losses, resolve_target)
+from .thresholds import (SHALLOW_MIN_EXITS, SHALLOW_SHARE, calibrate_threshold,  # noqa: F401  (re-exported)
+                         candidate_thresholds, exit_decisions, fixed_sequence_test, position_losses, resolve_target,
+                         shallow_exit_bias)
 from .train import (ExitOutputs, HeadTrainConfig, JointTrainConfig, compute_exit_outputs, joint_finetune,
                     train_heads)
 
@@ -119,6 +120,11 @@ class CalibrateConfig:
         return d
 
 
+def _rounded(x: float, digits: int = 4) -> float | None:
+    """``x`` rounded, or ``None`` (JSON null) for NaN, e.g. an AUROC on a split where one class is missing."""
+    return None if math.isnan(x) else round(x, digits)
+
+
 def _say(msg: str, progress: bool) -> None:
     if progress:
         tqdm.write(f"laserlm: {msg}", file=sys.stderr)
@@ -159,7 +165,7 @@ def _load_collect(ctx, saved):
 
 def _collect_settings(ctx):
     cfg, g = ctx["cfg"], ctx["groups"]
-    return {"model": ctx["lm"].loaded.identity, "dtype": str(ctx["engine"].dtype),
+    return {"model": ctx["lm"].loaded.identity, "dtype": str(ctx["engine"].dtype), "products": "float32",
             "tokens": _tokens_hash(ctx["tokens"][:ctx["n_tok"]]), "groups": g.describe(), "min_depth": g.min_depth,
             "seq_len": cfg.seq_len, "chunks": ctx["chunks"], "ats_layer": ctx["ats_layer"]}
 
@@ -404,7 +410,7 @@ def _predictor_thresholds(ctx):
     if cfg.target_agreement is not None:
         held["target_met"] = bool(held["agreement"] >= cfg.target_agreement)
     h_probs = teacher_forced_probs(pred, h_in)
-    auc = [round(auroc(h_probs[i], h_agree[i]), 4) for i in range(len(exits))]
+    auc = [_rounded(auroc(h_probs[i], h_agree[i])) for i in range(len(exits))]
     ctx["predictor_report"] = {
         "bridge": cfg.bridge, "threshold": cal.threshold, "calibration": {k: v for k, v in cal.to_dict().items()
                                                                           if k != "curve"},
@@ -442,39 +448,6 @@ STAGES = (
 -> its threshold]."""
 
 
-SHALLOW_SHARE = 0.5  # share of the exits at the first exit point above which the gates look shallow-biased
-SHALLOW_MIN_EXITS = 20
-
-
-def shallow_exit_bias(dec: torch.Tensor, loss: torch.Tensor, num_exits: int, allowed: float | None,
-                      who: str = "exit gates") -> str | None:
-    """A warning when the exit gates (or ``who``: the complexity predictor) are biased toward shallow layers on
-    held-out text (the seed's failure mode), else ``None``: at least :data:`SHALLOW_MIN_EXITS` held-out positions exit, at least
-    :data:`SHALLOW_SHARE` of them at the first exit point, and (when ``allowed`` is given, the target's allowed
-    disagreement) their loss rate there exceeds ``allowed``.
-
-    Args:
-        dec: ``[n]`` exit index per held-out position (``num_exits`` = full depth).
-        loss: ``[n]`` per-position loss (disagreement 0/1, or NLL increase).
-    The returned text has a ``{exit}`` field for the first exit point's layer.
-    """
-    exited = dec < num_exits
-    n_exit = int(exited.sum())
-    if n_exit < SHALLOW_MIN_EXITS:
-        return None
-    first = dec == 0
-    share = int(first.sum()) / n_exit
-    if share < SHALLOW_SHARE:
-        return None
-    rate = float(loss[first].double().mean()) if first.any() else 0.0
-    if allowed is not None and rate <= allowed:
-        return None
-    return (f"{who} look{'s' if who.endswith('predictor') else ''} biased toward shallow layers: {share:.0%} of the held-out exits stop at the first "
-            "exit point (layer {exit})" + (f", where the loss rate is {rate:.3f} > the {allowed:.3f} the target "
-                                          "allows" if allowed is not None else "")
-            + "; consider a larger --min-depth or more calibration text")
-
-
 def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
     """The run summary: per-exit quality and the threshold's measured effect on the held-out split."""
     train, gate_split, calib, held = ctx["train"], ctx["gate_split"], ctx["calib"], ctx["held"]
@@ -490,7 +463,7 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
             "agreement_trained": round(float(after.agree[e].float().mean()), 4),
             "kl_untrained": round(float(before.kl[e].mean()), 4),
             "kl_trained": round(float(after.kl[e].mean()), 4),
-            "gate_auroc": round(auroc(h_probs[i][h_count], after.agree[e][h_count]), 4),
+            "gate_auroc": _rounded(auroc(h_probs[i][h_count], after.agree[e][h_count])),
             "exit_fraction": round(float((dec == i).double().mean()), 4),
         })
     n_held = int(held_loss.numel())  # the counted held-out positions
@@ -560,6 +533,33 @@ def _chat_tokens(lm, cfg: CalibrateConfig, n_tokens: int, work: Path, progress: 
     return tokens, counted, report
 
 
+class float32_products:
+    """Context manager: the quantized matrices of ``engine`` multiply many rows in float32 while it is active.
+
+    Calibration compares decoding token by token (the decode kernel) with references from many-row forwards
+    (collected states, batched propagate decoding). With a bfloat16 many-row product (``prefill_dtype`` auto on a CPU
+    with AVX512-BF16 or AMX) the reference logits are rounded into ties that flip the top-1 token at ~3 % of
+    positions (measured on SmolLM2, Zen 4: 30 of 1024 against 1 in float32), a disagreement floor that no threshold
+    can remove, so a propagate certificate of 0.99 became impossible. Float weights are unaffected."""
+
+    def __init__(self, engine):
+        a = engine.adapter
+        parts = list(getattr(a, "layers", None) or []) + [getattr(a, "lm_head", None)]
+        self.mods = [m for part in parts if part is not None for m in part.modules() if hasattr(m, "prefill_dtype")]
+        self.saved = []
+
+    def __enter__(self):
+        self.saved = [m.prefill_dtype for m in self.mods]
+        for m in self.mods:
+            m.prefill_dtype = torch.float32
+        return self
+
+    def __exit__(self, *exc):
+        for m, d in zip(self.mods, self.saved):
+            m.prefill_dtype = d
+        return False
+
+
 def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: bool = True,
               work_dir=None) -> dict:
     """Run the calibration and write the artifact to ``output``; returns the run summary (JSON-able).
@@ -611,11 +611,14 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
            "predictor": None, "predictor_report": None,
            "text_report": text_report}
     runner = StageRunner(work, list(STAGES), resume=resume, say=lambda m: _say(m, progress))
-    runner.run(ctx)
+    with float32_products(engine):  # one precision for references and decoding (see float32_products)
+        runner.run(ctx)
     sec = runner.seconds
     timings = {"collect_s": load_s + sec.get("collect", 0.0)}
     for name in ("heads", "gates", "joint", "router", "predictor"):
         timings[f"{name}_s"] = sec.get(name, 0.0)
+    if ctx.get("predictor_report") is not None:  # the predictor's certification (decoding under propagate)
+        timings["predictor_thresholds_s"] = ctx["predictor_report"]["seconds"]
     timings["thresholds_s"] = sec.get("outputs", 0.0) + ctx["calibrate_s"]
     summary = _summary(ctx, timings, t_start)
     heads, gates, cal = ctx["heads"], ctx["gates"], ctx["cal"]
@@ -642,7 +645,7 @@ def format_summary(s: dict) -> str:
              "  exit  agree(untrained) agree(trained)  KL before -> after  gate AUROC  exiting here"]
     for r in s["per_exit"]:
         lines.append(f"  {r['exit_point']:>4}  {r['agreement_untrained']:>16.3f} {r['agreement_trained']:>14.3f}"
-                     f"  {r['kl_untrained']:>9.3f} -> {r['kl_trained']:<6.3f}  {r['gate_auroc']:>10.3f}"
+                     f"  {r['kl_untrained']:>9.3f} -> {r['kl_trained']:<6.3f}  {r['gate_auroc'] if r['gate_auroc'] is not None else float('nan'):>10.3f}"
                      f"  {r['exit_fraction']:>11.1%}")
     c, h = s["calibration"], s["held_out"]
     lines.append(f"  guarantee: {c['guarantee']}")

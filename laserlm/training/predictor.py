@@ -24,7 +24,7 @@ import torch
 from ..depth.predictor import ComplexityPredictor, exit_index, predictor_scalars, window_embeddings, window_ids
 from ..errors import InvalidArgumentError
 from .losses import binary_focal_loss
-from .thresholds import candidate_thresholds, fixed_sequence_test, position_losses, resolve_target
+from .thresholds import candidate_thresholds, fixed_sequence_test, position_losses, resolve_target, shallow_exit_bias
 
 
 @dataclass
@@ -179,9 +179,8 @@ def held_out_report(predictor: ComplexityPredictor, inputs: PredictorInputs, agr
                     threshold: float | None, counted: torch.Tensor | None = None, allowed: float | None = None) -> dict:
     """Measured agreement, mean layers and exit fraction of the predictor at ``threshold`` on a held-out split
     (decisions made in order, as when decoding). A ``"warning"`` entry appears when the predictor's exits are
-    biased toward the first exit point (:func:`laserlm.training.pipeline.shallow_exit_bias`; ``allowed``: the
+    biased toward the first exit point (:func:`laserlm.training.thresholds.shallow_exit_bias`; ``allowed``: the
     target's allowed disagreement rate)."""
-    from .pipeline import shallow_exit_bias  # noqa: PLC0415  (pipeline imports this module)
 
     keep = ~inputs.first if counted is None else (counted & ~inputs.first)
     E = agree.shape[0]

@@ -272,3 +272,36 @@ def fixed_sequence_test(candidates: list[float], losses_at, target: dict, delta:
                      f"({kind_txt}{method} p-value {chosen_p:.3g}, fixed-sequence test on {n} calibration "
                      "positions, assuming new positions are exchangeable with them)")
     return Calibration(chosen, target, delta, method, n, chosen_risk, chosen_p, tested, guarantee, curve)
+
+
+SHALLOW_SHARE = 0.5  # share of the exits at the first exit point above which the gates look shallow-biased
+SHALLOW_MIN_EXITS = 20
+
+
+def shallow_exit_bias(dec: torch.Tensor, loss: torch.Tensor, num_exits: int, allowed: float | None,
+                      who: str = "exit gates") -> str | None:
+    """A warning when the exit gates (or ``who``: the complexity predictor) are biased toward shallow layers on
+    held-out text (the seed's failure mode), else ``None``: at least :data:`SHALLOW_MIN_EXITS` held-out positions exit, at least
+    :data:`SHALLOW_SHARE` of them at the first exit point, and (when ``allowed`` is given, the target's allowed
+    disagreement) their loss rate there exceeds ``allowed``.
+
+    Args:
+        dec: ``[n]`` exit index per held-out position (``num_exits`` = full depth).
+        loss: ``[n]`` per-position loss (disagreement 0/1, or NLL increase).
+    The returned text has a ``{exit}`` field for the first exit point's layer.
+    """
+    exited = dec < num_exits
+    n_exit = int(exited.sum())
+    if n_exit < SHALLOW_MIN_EXITS:
+        return None
+    first = dec == 0
+    share = int(first.sum()) / n_exit
+    if share < SHALLOW_SHARE:
+        return None
+    rate = float(loss[first].double().mean()) if first.any() else 0.0
+    if allowed is not None and rate <= allowed:
+        return None
+    return (f"{who} look{'s' if who.endswith('predictor') else ''} biased toward shallow layers: {share:.0%} of the held-out exits stop at the first "
+            "exit point (layer {exit})" + (f", where the loss rate is {rate:.3f} > the {allowed:.3f} the target "
+                                          "allows" if allowed is not None else "")
+            + "; consider a larger --min-depth or more calibration text")

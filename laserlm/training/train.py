@@ -114,7 +114,7 @@ class GradientControl:
     """What happens to the gradients between ``backward`` and the optimizer step.
 
     1. ``cross_layer_norm``: each group (one exit point's parameters) is rescaled so that its gradient norm is the
-       mean of the groups' norms (total size kept; exits whose loss is small no longer get a small update, the
+       mean of the groups' norms (the sum of the groups' norms is kept; exits whose loss is small no longer get a small update, the
        "gradient equilibrium" of Li et al. 2019).
     2. Clipping of the total norm to ``grad_clip``; with ``adaptive_clip`` the clip is the 10th percentile of the
        last 100 pre-clip norms, kept within [0.2, 1.0] (AutoClip, Seetharaman et al. 2020, in the seed's range).
