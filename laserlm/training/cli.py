@@ -126,10 +126,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--grad-clip", type=_positive(float, "--grad-clip"), default=1.0,
                    help="gradient-norm clipping (default: %(default)s, seed 004)")
     p.add_argument("--adaptive-clip", action="store_true",
-                   help="clip at the 10th percentile of the last 100 gradient norms, within the seed's 0.2-1.0 "
-                        "(AutoClip); off by default: no measured gain (benchmarks/RESULTS.md, training guidance)")
+                   help="head and joint stages: clip at the 10th percentile of the last 100 gradient norms, within "
+                        "the seed's 0.2-1.0 (AutoClip; replaces --grad-clip); off by default: no measured gain (benchmarks/RESULTS.md, training guidance)")
     p.add_argument("--cross-layer-norm", action="store_true",
-                   help="give every exit point's modules a gradient of the same norm (the seed's cross-layer "
+                   help="head and joint stages: give every exit point's modules a gradient of the same norm (the seed's cross-layer "
                         "gradient normalisation); off by default: no measured gain (benchmarks/RESULTS.md)")
     p.add_argument("--threshold-decay", type=_probability("--threshold-decay"), default=0.95,
                    help="joint-stage exit-threshold decay per epoch (default: %(default)s, seed 004)")
