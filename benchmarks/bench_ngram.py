@@ -6,7 +6,7 @@ Classes (all through the model's chat template; greedy, ``--tokens`` new tokens,
 - ``extract``: "copy / extract from this passage" over Gutenberg (Great Expectations) paragraphs;
 - ``qa``: a question over a given WikiText-2 test passage;
 - ``code``: an edit (rename a function, add a docstring) of a function from laserlm's own Python source;
-- ``chat``: open-ended chat requests (nothing to copy).
+- ``chat``: open-ended chat requests (nothing to copy; 16 of them).
 
 For every prompt the methods run back to back (full depth, each speculative spec, transformers
 ``generate(prompt_lookup_num_tokens=N)``), so load from other jobs hits all alike. Reported per class:
@@ -38,7 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 CHAT = ["Write a short poem about the sea.", "Give me three tips for learning to cook.",
         "What are the benefits of regular exercise?", "Tell me a short story about a dragon.",
         "Explain why the sky is blue.", "How do I make a good cup of tea?", "What is a good name for a cat?",
-        "Describe your ideal weekend."]
+        "Describe your ideal weekend.", "Why do leaves change colour in autumn?", "Suggest a plan for a rainy day.",
+        "What should I pack for a beach holiday?", "Write a limerick about a cat.",
+        "How can I sleep better at night?", "What makes a good friend?", "Tell me a fun fact about space.",
+        "Give me ideas for a birthday party."]
 
 
 def _paragraphs(text: str, min_words: int, max_words: int) -> list[str]:
@@ -111,6 +114,9 @@ def main() -> None:
     ap.add_argument("--specs", nargs="+", default=["speculative:draft=ngram", "speculative:draft=ngram+suffix"])
     ap.add_argument("--hf-lookup", type=int, default=10, help="transformers prompt_lookup_num_tokens (0: skip)")
     ap.add_argument("--classes", nargs="+", default=None)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run every method this many times per prompt, interleaved (full, spec..., full, spec...); "
+                         "a method's figures are those of its run with the median decode time")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -139,8 +145,13 @@ def main() -> None:
             msgs = [{"role": "user", "content": prompt}]
             row = {"class": cls, "prompt": i, "prompt_tokens": None, "runs": {}}
             full_ids = None
+            results: dict = {s: [] for s in specs}
+            for _ in range(args.repeats):
+                for s in specs:
+                    results[s].append(lm.generate(msgs, chat=True, mode=s, max_new_tokens=args.tokens,
+                                                  ignore_eos=True))
             for s in specs:
-                res = lm.generate(msgs, chat=True, mode=s, max_new_tokens=args.tokens, ignore_eos=True)
+                res = sorted(results[s], key=lambda x: sum(x.itl_s))[len(results[s]) // 2]
                 row["prompt_tokens"] = res.prompt_tokens
                 dec = sum(res.itl_s)
                 r = {"e2e_tok_s": res.generated_tokens / res.total_s,
@@ -150,7 +161,8 @@ def main() -> None:
                     full_ids = res.token_ids
                 else:
                     sp = res.extra.get("speculative", {})
-                    r.update(same_as_full=res.token_ids == full_ids, tokens_per_verify=sp.get("mean_accepted_length"),
+                    r.update(same_as_full=all(x.token_ids == full_ids for x in results[s]),
+                             tokens_per_verify=sp.get("mean_accepted_length"),
                              acceptance=sp.get("acceptance_rate"), drafted=sp.get("drafted"),
                              accepted=sp.get("accepted"), cycles=sp.get("cycles"),
                              cost_steps=sp.get("cost_steps"), predicted_steps=sp.get("predicted_steps"),

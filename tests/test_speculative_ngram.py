@@ -116,6 +116,26 @@ def test_policy_pools_a_miss_into_the_longer_match_lengths():
     assert pol.alpha("ngram/3") >= before  # only idle relaxation towards the prior
 
 
+def test_plain_steps_observe_the_lookup_proposals_for_free():
+    """A plain step whose lookup proposed a draft counts one trial of that key (a success iff the emitted token is
+    the proposal's first): misses observed this way stop the drafts without paying a probe, hits bring them back,
+    and a key not observed still relaxes towards its prior."""
+    from laserlm.speculative.drafts import PACKED_VERIFY_TABLE, table_cost
+
+    cost = lambda m: table_cost(m + 1, PACKED_VERIFY_TABLE)  # noqa: E731
+    pol = DraftPolicy(max_ngram=3)
+    assert pol.best_length("ngram/1", 8, cost)[0] >= 1  # the prior alone drafts from a 1-token match
+    pol.update("ngram/3", 3, 3)
+    n3 = pol.counts["ngram/3"][:]
+    for _ in range(4):
+        pol.update(None, 0, 0, observed={"ngram/1": False})
+    assert pol.alpha("ngram/1") < 0.3 and pol.best_length("ngram/1", 8, cost) == (0, 1.0)
+    assert pol.counts["ngram/3"] == [pytest.approx(n3[0] * 0.98 ** 4), pytest.approx(n3[1] * 0.98 ** 4)]  # idle
+    for _ in range(8):
+        pol.update(None, 0, 0, observed={"ngram/1": True})
+    assert pol.alpha("ngram/1") > pol.prior_of("ngram/1") and pol.best_length("ngram/1", 8, cost)[0] >= 2
+
+
 def test_loss_budget_books_measured_costs_and_caps_the_bank():
     b = LossBudget(1.0, cap=3.0)
     assert b.settle(2, seconds=0.5, predicted=1.7, plain=False) == 1.7  # no plain step timed: the prediction
@@ -234,6 +254,37 @@ def test_packed_weights_keep_the_verify_on_the_kernel(one_thread):
     assert max(_cycle_widths(events_f)) == 25
 
 
+def test_packed_weights_price_the_verify_with_their_own_cost_table(one_thread):
+    """Packed weights multiply many rows at about 0.4 plain steps per extra row (the kernel is compute-bound past
+    one row), not at the float32 log-curve's cost, so by default their lookup policy prices a verify with
+    ``PACKED_VERIFY_TABLE`` and drafts shorter; an explicit ``verify_cost`` keeps the log model, and float weights are
+    unchanged. Greedy output still equals full depth."""
+    from laserlm.models.packing import pack_model
+    from laserlm.speculative.drafts import PACKED_VERIFY_TABLE
+
+    model = tiny_model(vocab=64)
+    float_engine = Engine(copy.deepcopy(model), max_seq_len=128)
+    pack_model(model, "int8")
+    engine = Engine(model, max_seq_len=128)
+    mode = make_mode("speculative:draft=ngram", engine)
+    assert mode.verify_fit == {"measured": PACKED_VERIFY_TABLE, "source": "packed-weights prior"}
+    assert mode._verify_cost(16) == 7.5 and mode._verify_cost(7) == pytest.approx(3.75)
+    assert mode._verify_cost(16) > 2.5 * verify_cost(16)  # the float curve prices 16 rows at ~2.8 steps
+    assert make_mode("speculative:draft=ngram,verify_cost=0.36", engine).verify_fit is None
+    assert make_mode("speculative:draft=ngram", float_engine).verify_fit is None
+    # the policy's best draft length for a source accepted 80 % of the time: shorter under the packed table
+    pol = DraftPolicy(max_ngram=3)
+    m_packed, _ = pol.best_length("ngram/3", 15, lambda m: mode._verify_cost(m + 1))
+    m_float, _ = pol.best_length("ngram/3", 15, lambda m: verify_cost(m + 1))
+    assert 1 <= m_packed < m_float
+    prompt, n = [3, 17, 42, 5, 9, 11] * 6, 40
+    want = [ev.token_id for ev in generate_tokens(engine, make_mode("full", engine), torch.tensor(prompt),
+                                                  SamplingParams(max_new_tokens=n), n)]
+    run = generate_tokens(engine, mode, torch.tensor(prompt), SamplingParams(max_new_tokens=n), n)
+    assert [ev.token_id for ev in run] == want
+    assert run.summary()["speculative"]["verify_fit"]["source"] == "packed-weights prior"
+
+
 def test_event_kinds_null_rates_and_the_packed_bank_cap(one_thread):
     """Cycles that draft nothing are labelled ``plain`` (not ``bonus``); a run that never drafts reports its rates as
     ``None`` (valid JSON, where NaN is not); on packed weights the loss budget's bank cap is sized for the draft
@@ -262,7 +313,7 @@ def test_event_kinds_null_rates_and_the_packed_bank_cap(one_thread):
     start = st_p.budget.start
     assert st_p.budget.cap == pytest.approx(start + 2 * (mode_p._cost(st_p, "ngram", packed.fast_rows - 1) - 1))
     assert st_f.budget.cap == pytest.approx(start + 2 * (mode_f._cost(st_f, "ngram", 40) - 1))
-    assert st_p.budget.cap < st_f.budget.cap
+    assert st_p.budget.cap < start + 2 * (mode_p._cost(st_p, "ngram", 40) - 1)  # not sized for the uncapped k
 
 
 # -- the loss budget: deterministic with a fake clock -------------------------------------------------

@@ -27,6 +27,12 @@ Policy (:class:`DraftPolicy`): for each candidate source it estimates the per-to
 from the request's recent cycles (geometric model: a cycle that accepted ``a`` of ``m`` drafts counts ``a``
 successes in ``a + [a < m]`` trials; counts decay by ``DECAY`` per update, and an unused estimate relaxes
 towards the prior by ``IDLE_DECAY`` per cycle, so a source that stopped paying is probed again later).
+**Free observations:** a plain step (no draft) whose lookup sources did propose a draft still tells whether
+that draft's first token would have been accepted, at no cost: the emitted token ``t`` is the full model's
+(greedy: the argmax; sampling: ``t ~ p``), and a verify accepts ``d`` iff ``d`` is the argmax / with probability
+``p(d) = P(t = d)``. So each such step counts one trial, a success iff ``t = d``, for that lookup key. A source
+the policy stopped drafting from is then re-tried when its proposals start to match, not by relaxing to the
+prior and paying for a probe; the probes it still pays are those its prior makes at the first matches.
 N-gram and suffix estimates are kept per match length ``n`` (a 3-token match is more reliable than a
 1-token one). With a relative cost ``C(m)`` of drafting ``m`` tokens and verifying ``m + 1`` positions
 (a plain full-depth step costs 1), the expected tokens per cycle are ``E(m) = (1 - alpha^(m+1)) / (1 -
@@ -80,6 +86,13 @@ DEFAULT_SUFFIX_TOKENS = 65536
 MAX_SUFFIX_TOKENS = 1 << 26
 DEFAULT_VERIFY_COST = 0.36
 DEFAULT_VERIFY_BASE = 0.34
+# The verify cost table used by default on packed weights (``Engine.fast_rows`` set; ``--weights native / int4 /
+# int8``): the compiled kernel multiplies int16 activations with int32 sums, which is compute-bound past one row, so a
+# ``w``-position verify costs about 0.4-0.5 plain steps per extra row, with a step from 4 to 5 rows (rows run in
+# groups of 4), not the float32 curve's ~2.8 at 16 rows. Medians of three ``fit_verify_cost`` runs (widths 1-16,
+# 7 repeats, 1 thread) of smollm2-135m and gemma3-270m native on an AMD EPYC Zen 4, 2026-12-04; the two models' curves
+# agree within the run-to-run spread. ``verify_cost=auto`` measures the curve of your engine and machine instead.
+PACKED_VERIFY_TABLE = {1: 1.0, 2: 1.3, 3: 1.6, 4: 2.0, 5: 2.8, 6: 3.3, 8: 4.2, 12: 6.2, 16: 7.5}
 DEFAULT_PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
@@ -308,12 +321,18 @@ class DraftPolicy:
         s, t = self.counts.get(key, (0.0, 0.0))
         return (s + self.prior_of(key) * PRIOR_WEIGHT) / (t + PRIOR_WEIGHT)
 
-    def update(self, key: str | None, accepted: int, drafted: int) -> None:
+    def update(self, key: str | None, accepted: int, drafted: int, observed: dict | None = None) -> None:
         """Record a cycle of ``key`` (``None``: a plain step); every estimate not updated relaxes to the prior.
 
         A rejection (``accepted < drafted``) of a lookup key ``src/n`` is also a failed trial of ``src/n'`` for
-        every ``n < n' <= max_ngram`` (pooled misses, module docstring)."""
+        every ``n < n' <= max_ngram`` (pooled misses, module docstring). ``observed``: ``{key: hit}`` free
+        observations of a plain step (module docstring), one trial each, a success iff ``hit``."""
         updated = {key}
+        for other, hit in (observed or {}).items():
+            c = self.counts.setdefault(other, [0.0, 0.0])
+            c[0] = c[0] * DECAY + (1.0 if hit else 0.0)
+            c[1] = c[1] * DECAY + 1.0
+            updated.add(other)
         if key is not None and drafted > 0 and accepted < drafted and "/" in key:
             src, _, n = key.partition("/")
             for longer in range(int(n) + 1, self.max_ngram + 1):
@@ -410,6 +429,6 @@ def check_loss_budget(value) -> float:
 
 
 __all__ = ["BUDGET_EPS", "DEFAULT_LOSS_BUDGET", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS",
-           "DEFAULT_VERIFY_BASE", "DEFAULT_VERIFY_COST", "DraftPolicy", "LossBudget", "MAX_LOSS_BUDGET",
+           "DEFAULT_VERIFY_BASE", "DEFAULT_VERIFY_COST", "PACKED_VERIFY_TABLE", "DraftPolicy", "LossBudget", "MAX_LOSS_BUDGET",
            "MAX_NGRAM", "NgramIndex", "SOURCES", "SuffixCache", "affordable", "check_loss_budget", "check_ngram",
            "expected_tokens", "parse_draft", "table_cost", "verify_cost"]

@@ -86,7 +86,7 @@ from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
 from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
-                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, DraftPolicy, LossBudget, NgramIndex, SuffixCache,
+                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, PACKED_VERIFY_TABLE, DraftPolicy, LossBudget, NgramIndex, SuffixCache,
                      affordable, check_loss_budget, check_ngram, parse_draft, table_cost, verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
@@ -178,6 +178,7 @@ class SpeculativeState(SpeculativeStats):
         self.policy = policy or DraftPolicy()
         self.head_fraction = head_fraction
         self.budget = budget
+        self.proposals: dict = {}  # the last choice's lookup proposals {policy key: first drafted token}
 
 
 def head_fraction(engine) -> float:
@@ -297,7 +298,7 @@ class SpeculativeDecoding:
         self.ngram = ngram
         self.suffix_cache = SuffixCache(suffix_tokens, max_ngram) if "suffix" in sources else None
         self.calibration: dict | None = None  # filled by the auto calibration
-        self.verify_fit: dict | None = None  # filled by verify_cost=auto
+        self.verify_fit: dict | None = None  # verify_cost=auto's measurement, or the packed-weights prior
 
     def config(self) -> dict:
         out = {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
@@ -365,7 +366,9 @@ class SpeculativeDecoding:
         accepted = len(emitted) - 1
         st.record(source, drafted, accepted)
         if self.adaptive:
-            st.policy.update(key, accepted, drafted)
+            observed = ({k: tok == emitted[0] for k, tok in st.proposals.items()} if drafted == 0 else None)
+            st.policy.update(key, accepted, drafted, observed)
+        st.proposals = {}
         self._record_tokens(request, emitted)
         if st.budget is not None:
             predicted = self._cost(st, source, drafted)
@@ -449,6 +452,7 @@ class SpeculativeDecoding:
                 if n < 1 or not toks:
                     continue
                 key, max_m = f"{src}/{n}", len(toks)
+                st.proposals[key] = toks[0]  # observed for free if this cycle drafts nothing
             if not self.adaptive:  # the first source with a draft, as long as the budget allows
                 m = affordable(max_m, cost, bank)
                 self._count_budget(st, max_m, m)
@@ -672,6 +676,9 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34][,batch_above=2]
     [,loss_budget=1|off]`` -> :class:`SpeculativeDecoding`.
 
+    Without ``verify_cost`` / ``verify_base``, packed weights (``Engine.fast_rows`` set: ``native``, ``int4``,
+    ``int8``) use the measured table :data:`~.drafts.PACKED_VERIFY_TABLE` (reported as ``verify_fit`` with
+    ``"source": "packed-weights prior"``), float weights the log model with the defaults above.
     ``verify_cost=auto`` measures the verify cost curve of this engine on this machine (about a second on
     smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`); the policy then interpolates the
     measured table (``verify_fit["measured"]``, reported in the stats with the fitted ``verify_cost`` and
@@ -746,6 +753,9 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         verify_fit = fit_verify_cost(engine)
         kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
         draft_kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
+    elif o.verify_cost is None and o.verify_base is None and engine.fast_rows is not None:
+        # packed weights: the float32 log-curve underestimates a many-row verify by 2-3x (drafts too long)
+        verify_fit = {"measured": dict(PACKED_VERIFY_TABLE), "source": "packed-weights prior"}
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
     mode.verify_fit = verify_fit
     if auto:
