@@ -270,8 +270,12 @@ def test_packed_weights_price_the_verify_with_their_own_cost_table(one_thread):
     assert mode.verify_fit == {"measured": PACKED_VERIFY_TABLE, "source": "packed-weights prior"}
     assert mode._verify_cost(16) == 7.5 and mode._verify_cost(7) == pytest.approx(3.75)
     assert mode._verify_cost(16) > 2.5 * verify_cost(16)  # the float curve prices 16 rows at ~2.8 steps
+    assert mode.config()["verify_cost"] is None and mode.config()["verify_base"] is None  # priced by the table
     assert make_mode("speculative:draft=ngram,verify_cost=0.36", engine).verify_fit is None
     assert make_mode("speculative:draft=ngram", float_engine).verify_fit is None
+    assert make_mode("speculative:draft=layers,draft_layers=2,k=4", engine).verify_fit is None  # no lookup source
+    auto = make_mode("speculative:draft=ngram,verify_cost=auto", engine)
+    assert max(auto.verify_fit["measured"]) == engine.fast_rows  # only widths the kernel takes
     # the policy's best draft length for a source accepted 80 % of the time: shorter under the packed table
     pol = DraftPolicy(max_ngram=3)
     m_packed, _ = pol.best_length("ngram/3", 15, lambda m: mode._verify_cost(m + 1))

@@ -305,8 +305,10 @@ class SpeculativeDecoding:
                "reuse": self.reuse, "exit_head": self.exit_head_name, "batch_above": self.batch_above,
                "loss_budget": self.loss_budget}
         if self.draft != ("layers",):
+            table = self.verify_fit is not None and self.verify_fit.get("source") == "packed-weights prior"
             out.update(draft="+".join(self.draft), max_ngram=self.max_ngram, min_match=self.min_match,
-                       adaptive=self.adaptive, verify_cost=self.verify_cost, verify_base=self.verify_base)
+                       adaptive=self.adaptive, verify_cost=None if table else self.verify_cost,
+                       verify_base=None if table else self.verify_base)  # None: priced by verify_fit's table
             if self.suffix_cache is not None:
                 out.update(suffix_tokens=self.suffix_cache.max_tokens, suffix_cache_tokens=len(self.suffix_cache))
         return out
@@ -366,7 +368,7 @@ class SpeculativeDecoding:
         accepted = len(emitted) - 1
         st.record(source, drafted, accepted)
         if self.adaptive:
-            observed = ({k: tok == emitted[0] for k, tok in st.proposals.items()} if drafted == 0 else None)
+            observed = ({key_: tok == emitted[0] for key_, tok in st.proposals.items()} if drafted == 0 else None)
             st.policy.update(key, accepted, drafted, observed)
         st.proposals = {}
         self._record_tokens(request, emitted)
@@ -405,8 +407,8 @@ class SpeculativeDecoding:
         return rows
 
     def _verify_cost(self, width: int) -> float:
-        """Relative cost of a ``width``-position verify: the measured table of ``verify_cost=auto`` when there
-        is one (interpolated), else ``1 + verify_base + verify_cost * log2(width)``."""
+        """Relative cost of a ``width``-position verify: the table of ``verify_fit`` when there is one
+        (``verify_cost=auto``'s measurement, or the packed-weights prior; interpolated), else ``1 + verify_base + verify_cost * log2(width)``."""
         if self.verify_fit is not None:
             return table_cost(width, self.verify_fit["measured"])
         return verify_cost(width, self.verify_cost, self.verify_base)
@@ -676,9 +678,11 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34][,batch_above=2]
     [,loss_budget=1|off]`` -> :class:`SpeculativeDecoding`.
 
-    Without ``verify_cost`` / ``verify_base``, packed weights (``Engine.fast_rows`` set: ``native``, ``int4``,
-    ``int8``) use the measured table :data:`~.drafts.PACKED_VERIFY_TABLE` (reported as ``verify_fit`` with
-    ``"source": "packed-weights prior"``), float weights the log model with the defaults above.
+    Without ``verify_cost`` / ``verify_base``, lookup drafts on packed weights (``Engine.fast_rows`` set:
+    ``native``, ``int4``, ``int8``) use the measured table :data:`~.drafts.PACKED_VERIFY_TABLE` (reported as
+    ``verify_fit`` with ``"source": "packed-weights prior"``; ``verify_cost`` / ``verify_base`` are then reported as
+    ``None``); float weights and ``draft=layers`` alone use the log model with the defaults above. On packed
+    weights ``verify_cost=auto`` measures only the widths up to ``fast_rows``.
     ``verify_cost=auto`` measures the verify cost curve of this engine on this machine (about a second on
     smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`); the policy then interpolates the
     measured table (``verify_fit["measured"]``, reported in the stats with the fitted ``verify_cost`` and
@@ -750,10 +754,14 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         SpeculativeDecoding(engine.num_layers, **kwargs)  # validate the rest before measuring
         from .calibration import fit_verify_cost  # noqa: PLC0415
 
-        verify_fit = fit_verify_cost(engine)
+        # packed weights: only the widths the compiled kernel takes (a wider verify is never drafted there)
+        verify_fit = (fit_verify_cost(engine) if engine.fast_rows is None else
+                      fit_verify_cost(engine, widths=tuple(w for w in PACKED_VERIFY_TABLE if w <= engine.fast_rows),
+                                      repeats=5))
         kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
         draft_kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
-    elif o.verify_cost is None and o.verify_base is None and engine.fast_rows is not None:
+    elif (o.verify_cost is None and o.verify_base is None and engine.fast_rows is not None
+          and any(s in LOOKUP for s in sources)):
         # packed weights: the float32 log-curve underestimates a many-row verify by 2-3x (drafts too long)
         verify_fit = {"measured": dict(PACKED_VERIFY_TABLE), "source": "packed-weights prior"}
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
