@@ -353,5 +353,10 @@ def test_speculative_requests_batch_above_the_threshold(smol):
         assert sched.stats["batched_forwards"] > 0
         # the four short prompts are prefilled in one step, so all four always decode together
         assert (sources == {"none"}) if batched else ("ngram" in sources), sources
+        for r in rids:  # batched plain steps count as cycles too: 11 decode tokens after prefill's
+            seq = sched.get(r)
+            st = seq.request.state
+            assert st.emitted == 11 and st.cycles == sum(v["cycles"] for v in st.by_source.values())
+            assert min(e.info["cycle"] for e in seq.events[1:]) == 0
     with pytest.raises(InvalidArgumentError, match="batch_above"):
         make_mode("speculative:draft=ngram,batch_above=0", eng)

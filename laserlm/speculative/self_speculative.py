@@ -401,6 +401,8 @@ class SpeculativeDecoding:
         for r, emitted in zip(requests, rows):
             st = r.state
             st.record("none", 0, 0)
+            st.cycles += 1
+            st.emitted += len(emitted)
             self._record_tokens(r, [e.token_id for e in emitted])
             for e in emitted:
                 e.info = {"cycle": st.cycles - 1, "drafted": 0, "accepted": 0, "kind": "plain", "source": "none"}
