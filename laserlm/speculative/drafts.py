@@ -429,6 +429,7 @@ def check_loss_budget(value) -> float:
 
 
 __all__ = ["BUDGET_EPS", "DEFAULT_LOSS_BUDGET", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS",
-           "DEFAULT_VERIFY_BASE", "DEFAULT_VERIFY_COST", "PACKED_VERIFY_TABLE", "DraftPolicy", "LossBudget", "MAX_LOSS_BUDGET",
-           "MAX_NGRAM", "NgramIndex", "SOURCES", "SuffixCache", "affordable", "check_loss_budget", "check_ngram",
+           "DEFAULT_VERIFY_BASE", "DEFAULT_VERIFY_COST", "DraftPolicy", "LossBudget", "MAX_LOSS_BUDGET",
+           "MAX_NGRAM", "PACKED_VERIFY_TABLE", "NgramIndex", "SOURCES", "SuffixCache", "affordable",
+           "check_loss_budget", "check_ngram",
            "expected_tokens", "parse_draft", "table_cost", "verify_cost"]

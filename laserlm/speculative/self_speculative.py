@@ -86,8 +86,9 @@ from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
 from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
-                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, PACKED_VERIFY_TABLE, DraftPolicy, LossBudget, NgramIndex, SuffixCache,
-                     affordable, check_loss_budget, check_ngram, parse_draft, table_cost, verify_cost)
+                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, PACKED_VERIFY_TABLE, DraftPolicy, LossBudget,
+                     NgramIndex, SuffixCache, affordable, check_loss_budget, check_ngram, parse_draft, table_cost,
+                     verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -136,6 +137,11 @@ class SpeculativeStats:
     budget_shortened: int = 0
 
     def record(self, source: str, drafted: int, accepted: int) -> None:
+        """Count one cycle of ``source`` (``none``: a plain step) in the totals and in ``by_source``."""
+        self.cycles += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += accepted + 1
         c = self.by_source.setdefault(source, {"cycles": 0, "drafted": 0, "accepted": 0, "emitted": 0})
         c["cycles"] += 1
         c["drafted"] += drafted
@@ -401,8 +407,6 @@ class SpeculativeDecoding:
         for r, emitted in zip(requests, rows):
             st = r.state
             st.record("none", 0, 0)
-            st.cycles += 1
-            st.emitted += len(emitted)
             self._record_tokens(r, [e.token_id for e in emitted])
             for e in emitted:
                 e.info = {"cycle": st.cycles - 1, "drafted": 0, "accepted": 0, "kind": "plain", "source": "none"}
@@ -410,7 +414,8 @@ class SpeculativeDecoding:
 
     def _verify_cost(self, width: int) -> float:
         """Relative cost of a ``width``-position verify: the table of ``verify_fit`` when there is one
-        (``verify_cost=auto``'s measurement, or the packed-weights prior; interpolated), else ``1 + verify_base + verify_cost * log2(width)``."""
+        (``verify_cost=auto``'s measurement, or the packed-weights prior; interpolated), else
+        ``1 + verify_base + verify_cost * log2(width)``."""
         if self.verify_fit is not None:
             return table_cost(width, self.verify_fit["measured"])
         return verify_cost(width, self.verify_cost, self.verify_base)
@@ -591,10 +596,6 @@ class SpeculativeDecoding:
         # 4. roll back rejected positions: keep cur and the accepted drafts
         engine.truncate(start + a + 1, cache=cache)
         t2 = time.perf_counter()
-        st.cycles += 1
-        st.drafted += m
-        st.accepted += a
-        st.emitted += a + 1
         st.draft_steps += steps
         st.draft_s += t1 - t0
         st.verify_s += t2 - t1
