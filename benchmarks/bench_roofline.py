@@ -164,11 +164,12 @@ def main() -> None:
         for n, k in shapes:
             w = torch.randn(n, k, generator=g)
             x = torch.randn(t, k, generator=g)
-            q4, q8 = quant.padded(quant.quantize_q4_1(w)), quant.padded(quant.quantize_q8_0(w))
+            q4 = quant.kernel_layout(quant.quantize_q4_1(w), quant.Q4_1)
+            q8 = quant.kernel_layout(quant.quantize_q8_0(w), quant.Q8_0)
             m = t * n * k
             macs += m
-            fns = {"float32 BLAS": lambda: x @ w.T, "Q4_1 kernel": lambda: ops.qmatmul(x, q4, quant.Q4_1, k),
-                   "Q8_0 kernel": lambda: ops.qmatmul(x, q8, quant.Q8_0, k)}
+            fns = {"float32 BLAS": lambda: x @ w.T, "Q4_1 kernel": lambda: ops.qmatmul(x, q4, quant.Q4_1, k, n),
+                   "Q8_0 kernel": lambda: ops.qmatmul(x, q8, quant.Q8_0, k, n)}
             for name, fn in fns.items():
                 secs[name] += m / (rate(fn, m, 0.15) * 1e9)
         per_t[t] = {name: macs / s / 1e9 for name, s in secs.items()}

@@ -65,8 +65,9 @@ class LaserLM:
 
     @property
     def prefill_dtype(self) -> str | None:
-        """Name of the dtype in which the quantized weights multiply more than 16 rows (``"float32"`` or
-        ``"bfloat16"``); ``None`` for float weights, which multiply in their own dtype."""
+        """Name of the arithmetic in which the quantized weights multiply prompt chunks (``"int16"``: the block
+        kernels, ``"float32"`` or ``"bfloat16"``: a GEMM); ``None`` for float weights, which multiply in their own
+        dtype."""
         if self.loaded.pack_report is None:
             return None
         return str(self.loaded.prefill_dtype).replace("torch.", "")

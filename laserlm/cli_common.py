@@ -40,9 +40,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "exact reference path, bf16; auto = native for a GGUF file unless --dtype is given, else "
                         "fp32 (default: %(default)s)")
     p.add_argument("--prefill-dtype", choices=PREFILL_DTYPES, default="auto",
-                   help="dtype in which quantized weights multiply more than 16 rows at once (prefill, large "
-                        "batches): auto = bfloat16 on a CPU with AMX-BF16 or AVX512-BF16 (1.5-2.2x faster "
-                        "prefill), else float32 (default: %(default)s)")
+                   help="arithmetic in which quantized weights multiply prompt chunks (more than 16 positions): "
+                        "int16 = the block kernels of a decode step, so a prompt position is computed exactly as "
+                        "in decoding whatever the chunking; float32 / bfloat16 = a GEMM over the dequantized "
+                        "matrix; auto = int16 where the kernels are built (default: %(default)s)")
     p.add_argument("--dtype", type=dtype_arg, default=None, metavar="{" + ",".join(OFFERED_DTYPES) + "}",
                    help="activations dtype, and the weights' for fp32/bf16 (default: float32; float16 runs guarded: "
                         "norms in float32, a layer that would overflow falls back to float32)")

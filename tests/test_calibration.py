@@ -485,20 +485,27 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert s3["settings"]["heads"]["steps"] == 6 and len(s3["per_exit"]) == 3
 
 
-def test_calibration_multiplies_many_rows_in_float32_and_restores_the_setting():
-    """References (collected states, batched decoding) and token-by-token decoding must use one precision: with
+def test_calibration_multiplies_many_rows_as_decoding_does_and_restores_the_setting():
+    """References (collected states, batched decoding) and token-by-token decoding must use one arithmetic: with
     bfloat16 many-row products the reference top-1 flipped at ~3 % of positions (a floor no threshold removes).
-    ``float32_products`` switches every quantized matrix to float32 for the run and restores the user's choice."""
+    ``decode_products`` switches every quantized matrix to the block kernels for the run, so an 18-position forward
+    gives at every position exactly the logits of decoding token by token, and restores the user's choice."""
     import laserlm
-    from laserlm.training.pipeline import float32_products
+    from laserlm.training.pipeline import decode_products
 
     eng = laserlm.load("smollm2-135m", weights="native", prefill_dtype="bfloat16").engine
     mods = [m for layer in eng.adapter.layers for m in layer.modules() if hasattr(m, "prefill_dtype")]
     assert mods and all(m.prefill_dtype == torch.bfloat16 for m in mods)
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 7042, 30, 378, 3458, 282, 11951, 314, 17, 18, 19, 20, 21]])
-    with float32_products(eng) as ctx:
-        assert len(ctx.mods) >= len(mods) and all(m.prefill_dtype == torch.float32 for m in ctx.mods)
-        f32 = eng.prefill(ids).logits[0]
-    assert all(m.prefill_dtype == torch.bfloat16 for m in mods)  # restored
-    bf16 = eng.prefill(ids).logits[0]
-    assert not torch.equal(f32, bf16)  # the switch reached the products that ran
+    with torch.inference_mode():
+        eng.reset()
+        stepped = torch.cat([eng.forward(ids[:, i:i + 1]).logits[0] for i in range(ids.shape[1])])
+        with decode_products(eng) as ctx:
+            assert len(ctx.mods) >= len(mods) and all(m.prefill_dtype == torch.int16 for m in ctx.mods)
+            eng.reset()
+            many = eng.forward(ids, logits="all").logits[0]
+        assert all(m.prefill_dtype == torch.bfloat16 for m in mods)  # restored
+        eng.reset()
+        bf16 = eng.forward(ids, logits="all").logits[0]
+    assert torch.equal(many, stepped)
+    assert not torch.equal(bf16, stepped)  # the bfloat16 GEMM is another arithmetic: the switch reached the products

@@ -38,11 +38,12 @@ def _act_rounding_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 def _check_matmul(raw_blocks: torch.Tensor, fmt: int, w64: np.ndarray, rows: int = 3):
     """qmatmul(x) vs float64 x @ w64.T within the activation-rounding bound (+ float32 summation slack)."""
-    k = w64.shape[1]
+    n, k = w64.shape
+    qweight = quant.kernel_layout(raw_blocks, fmt)
     g = torch.Generator().manual_seed(0)
     for t in (1, rows, 7):
         x = torch.randn(t, k, generator=g)
-        got = quant.matmul(x, raw_blocks, fmt, k).double().numpy()
+        got = quant.matmul(x, qweight, fmt, k, n).double().numpy()
         ref = x.double().numpy() @ w64.T
         bound = _act_rounding_bound(w64, x.double().numpy()) + 1e-5 * (np.abs(x.double().numpy()) @ np.abs(w64).T) + 1e-6
         assert np.all(np.abs(got - ref) <= bound), f"{quant.FORMAT_NAMES[fmt]} T={t}: max excess {np.max(np.abs(got - ref) - bound)}"
@@ -63,9 +64,8 @@ def test_smollm2_tensors_match_gguf_dequantize(name):
     n, k = raw.shape[0], int(t.shape[0])
     kind, blocks, fmt, how = quant.from_gguf(raw, int(t.tensor_type), n, k)
     assert kind == "blocks" and how == "exact"
-    blocks = quant.padded(blocks)
     ref = dequantize(raw, t.tensor_type).astype(np.float32).reshape(n, k)
-    assert np.array_equal(quant.dequantize(blocks, fmt, k).numpy(), ref)
+    assert np.array_equal(quant.dequantize(quant.kernel_layout(blocks, fmt), fmt, k, n).numpy(), ref)
     assert np.array_equal(quant.dequantize_reference(blocks, fmt, k).numpy(), ref)
     _check_matmul(blocks, fmt, ref.astype(np.float64))
 
@@ -82,16 +82,16 @@ def test_bfloat16_prefill_matmul_of_real_tensors(name):
     raw = np.asarray(t.data)[:512]
     n, k = raw.shape[0], int(t.shape[0])
     _, blocks, fmt, _ = quant.from_gguf(raw, int(t.tensor_type), n, k)
-    blocks = quant.padded(blocks)
+    qweight = quant.kernel_layout(blocks, fmt)
     w = torch.from_numpy(dequantize(raw, t.tensor_type).astype(np.float32).reshape(n, k))
-    assert torch.equal(quant.dequantize(blocks, fmt, k, dtype=torch.bfloat16), w.to(torch.bfloat16))
+    assert torch.equal(quant.dequantize(qweight, fmt, k, n, dtype=torch.bfloat16), w.to(torch.bfloat16))
     x = torch.randn(quant.KERNEL_MAX_ROWS + 24, k, generator=torch.Generator().manual_seed(1))
-    got = quant.matmul(x, blocks, fmt, k, torch.bfloat16).double()
+    got = quant.matmul(x, qweight, fmt, k, n, torch.bfloat16).double()
     ref = x.double() @ w.double().T
     mag = x.double().abs() @ w.double().abs().T
     bound = 1.01 * (2 ** -8 * mag + 2 ** -9 * (ref.abs() + 2 ** -8 * mag)) + 1e-6
     assert bool(((got - ref).abs() <= bound).all()), float(((got - ref).abs() - bound).max())
-    assert not torch.equal(got.float(), quant.matmul(x, blocks, fmt, k))
+    assert not torch.equal(got.float(), quant.matmul(x, qweight, fmt, k, n))
 
 
 def test_prefill_dtype_choice_and_errors(capsys):
@@ -99,7 +99,8 @@ def test_prefill_dtype_choice_and_errors(capsys):
 
     assert quant.resolve_prefill_dtype("float32") is torch.float32
     assert quant.resolve_prefill_dtype("bfloat16") is torch.bfloat16
-    assert quant.resolve_prefill_dtype("auto") in (torch.float32, torch.bfloat16)
+    assert quant.resolve_prefill_dtype("auto") is torch.int16  # the kernels are built here (test_kernels_are_built)
+    assert quant.resolve_prefill_dtype("int16") is torch.int16
     with pytest.raises(InvalidArgumentError, match="unknown prefill dtype 'fp8'"):
         laserlm.load("smollm2-135m", prefill_dtype="fp8")
     with pytest.raises(InvalidArgumentError, match="applies to quantized weights .* not to --weights fp32"):
@@ -119,6 +120,7 @@ def test_hardware_bf16_gemm_reads_the_cpu_flags(monkeypatch, flags, amx_granted,
 
     monkeypatch.setattr(kernels, "_cpu_flags", lambda: flags)
     monkeypatch.setattr(torch._C._cpu, "_init_amx", lambda: amx_granted)
+    monkeypatch.setattr(quant.kernels, "ops", lambda: None)  # no compiler: auto falls back to a GEMM
     kernels.hardware_bf16_gemm.cache_clear()
     try:
         assert kernels.hardware_bf16_gemm() is expected
@@ -137,8 +139,7 @@ def test_q4_0_blocks_match_gguf():
     kind, blocks, fmt, _ = quant.from_gguf(raw, int(T.Q4_0), 96, 128)
     ref = dequantize(raw, T.Q4_0).astype(np.float32)
     assert fmt == quant.Q4_1
-    blocks = quant.padded(blocks)
-    assert np.array_equal(quant.dequantize(blocks, fmt, 128).numpy(), ref)
+    assert np.array_equal(quant.dequantize(quant.kernel_layout(blocks, fmt), fmt, 128, 96).numpy(), ref)
     _check_matmul(blocks, fmt, ref.astype(np.float64))
 
 
@@ -172,8 +173,7 @@ def test_gemma3_tensor_types_match_gguf_dequantize():
         n, k = raw.shape[0], int(t.shape[0])
         kind, blocks, fmt, how = quant.from_gguf(raw, int(t.tensor_type), n, k)
         ref = dequantize(raw, t.tensor_type).astype(np.float64).reshape(n, k)
-        blocks = quant.padded(blocks)
-        got = quant.dequantize(blocks, fmt, k).double().numpy()
+        got = quant.dequantize(quant.kernel_layout(blocks, fmt), fmt, k, n).double().numpy()
         blockmax = np.abs(ref.reshape(n, k // 32, 32)).max(-1, keepdims=True)
         err = np.abs(got - ref).reshape(n, k // 32, 32)
         if t.tensor_type in (T.Q5_0, T.Q8_0):

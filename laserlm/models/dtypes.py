@@ -15,7 +15,7 @@ from ..errors import InvalidArgumentError
 # weight formats (`--weights`) and prefill dtypes (`--prefill-dtype`); here, not in quant.py, so that the CLI parser
 # can list them without importing torch
 WEIGHT_FORMATS = ("auto", "fp32", "bf16", "int8", "int4", "native")
-PREFILL_DTYPES = ("auto", "float32", "bfloat16")
+PREFILL_DTYPES = ("auto", "int16", "float32", "bfloat16")
 
 OFFERED_DTYPES = ("float32", "bfloat16", "float16")
 

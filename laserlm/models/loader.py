@@ -368,10 +368,10 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
             float32 (see :func:`resolve_weights`).
         weights: ``"auto"`` (default), ``"fp32"`` (exact parity with transformers), ``"bf16"``, ``"int8"``,
             ``"int4"`` or ``"native"`` (a GGUF file's own quantization); see :mod:`laserlm.models.quant`.
-        prefill_dtype: ``"auto"`` (default), ``"float32"`` or ``"bfloat16"``: the dtype in which quantized weights
-            multiply inputs of more than 16 rows (prefill chunks, large batches); auto = bfloat16 on a CPU with
-            AMX-BF16, else float32 (:func:`laserlm.models.quant.resolve_prefill_dtype`). Float weights ignore
-            ``auto``.
+        prefill_dtype: ``"auto"`` (default), ``"int16"``, ``"float32"`` or ``"bfloat16"``: the arithmetic in which
+            quantized weights multiply prompt chunks of more than 16 positions; int16 = the block kernels of a decode
+            step (auto, where they are built), float32 / bfloat16 = a GEMM over the dequantized matrix
+            (:func:`laserlm.models.quant.resolve_prefill_dtype`). Float weights ignore ``auto``.
 
     Raises:
         ModelNotFoundError: unknown name, missing file, hub id not available offline.

@@ -164,7 +164,7 @@ class _GGUFSource:
         return kind, data, fmt, f"{t.tensor_type.name}: {how}"
 
 
-PACK_FORMAT_VERSION = 3
+PACK_FORMAT_VERSION = 4  # 4: matrices in the kernel layout (groups of 16 rows)
 
 
 def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) -> PackReport:
@@ -289,7 +289,7 @@ def _convert_embedding_and_head(model, fmt, src, report):
             report.notes[how_h] = report.notes.get(how_h, 0) + 1
             head_mod = _fuse([(kind_h, data_h, f_h)], d, head_bias)
         elif emb_mod is not None:
-            head_mod = QuantLinear(emb_mod.blocks, emb_mod.fmt, d, head_bias)
+            head_mod = QuantLinear.from_qweight(emb_mod.qweight, emb_mod.fmt, d, emb_mod.num_embeddings, head_bias)
         else:
             head_mod = DenseLinear(data, head_bias)
     else:
@@ -297,12 +297,12 @@ def _convert_embedding_and_head(model, fmt, src, report):
             emb_mod = QuantEmbedding(quant.quantize_q8_0(emb.weight), quant.Q8_0, d, scale, dtype)
         kind, data, f = _from_float(head.weight, fmt)
         if tied and f == quant.Q8_0 and emb_mod is not None:
-            head_mod = QuantLinear(emb_mod.blocks, quant.Q8_0, d, head_bias)
+            head_mod = QuantLinear.from_qweight(emb_mod.qweight, quant.Q8_0, d, emb_mod.num_embeddings, head_bias)
         else:
             head_mod = _fuse([(kind, data, f)], d, head_bias)
     if emb_mod is not None:
         report.add(emb_mod)
-    if not (isinstance(head_mod, QuantLinear) and emb_mod is not None and head_mod.blocks is emb_mod.blocks):
+    if not (isinstance(head_mod, QuantLinear) and emb_mod is not None and head_mod.qweight is emb_mod.qweight):
         report.add(head_mod)
     return emb_mod, head_mod
 
@@ -310,20 +310,21 @@ def _convert_embedding_and_head(model, fmt, src, report):
 # -- the packed-weights cache (one safetensors file; module structure in its metadata) -----------------
 def _record(mod, key: str, tensors: dict, shared: dict) -> dict:
     if isinstance(mod, QuantLinear) or isinstance(mod, QuantEmbedding):
-        ptr = mod.blocks.data_ptr()
+        ptr = mod.qweight.data_ptr()
         if ptr in shared:
             name = shared[ptr]
         else:
-            name = shared[ptr] = f"{key}.blocks"
-            tensors[name] = mod.blocks
-        rec = {"t": "q" if isinstance(mod, QuantLinear) else "e", "blocks": name, "fmt": mod.fmt}
+            name = shared[ptr] = f"{key}.qweight"
+            tensors[name] = mod.qweight
+        rec = {"t": "q" if isinstance(mod, QuantLinear) else "e", "qweight": name, "fmt": mod.fmt}
         if isinstance(mod, QuantLinear):
-            rec["in"] = mod.in_features
+            rec["in"], rec["out"] = mod.in_features, mod.out_features
             if mod.bias is not None:
                 tensors[f"{key}.bias"] = mod.bias.data
                 rec["bias"] = f"{key}.bias"
         else:
-            rec.update(dim=mod.embedding_dim, scale=mod.scale, dtype=str(mod.dtype).replace("torch.", ""))
+            rec.update(dim=mod.embedding_dim, rows=mod.num_embeddings, scale=mod.scale,
+                       dtype=str(mod.dtype).replace("torch.", ""))
         return rec
     if isinstance(mod, DenseLinear):
         tensors[f"{key}.weight"] = mod.weight.data
@@ -341,9 +342,10 @@ def _rebuild(rec: dict, tensors: dict):
     t = rec["t"]
     bias = tensors[rec["bias"]] if "bias" in rec else None
     if t == "q":
-        return QuantLinear(tensors[rec["blocks"]], rec["fmt"], rec["in"], bias)
+        return QuantLinear.from_qweight(tensors[rec["qweight"]], rec["fmt"], rec["in"], rec["out"], bias)
     if t == "e":
-        return QuantEmbedding(tensors[rec["blocks"]], rec["fmt"], rec["dim"], rec["scale"], getattr(torch, rec["dtype"]))
+        return QuantEmbedding(None, rec["fmt"], rec["dim"], rec["scale"], getattr(torch, rec["dtype"]),
+                              qweight=tensors[rec["qweight"]], num_embeddings=rec["rows"])
     if t == "d":
         return DenseLinear(tensors[rec["weight"]], bias)
     if t == "c":
@@ -399,7 +401,7 @@ def _load_packed(path: Path, num_layers: int, weights: str) -> tuple[dict, PackR
     raw = load_file(str(path))
     if _digest(raw) != meta.get("sha1"):
         raise ValueError("checksum mismatch (damaged data)")
-    tensors = {k: quant.padded(v) if k.endswith(".blocks") else v for k, v in raw.items()}
+    tensors = raw
     mods = {"layers": [{k: _rebuild(r, tensors) for k, r in g.items()} for g in meta["layers"]],
             "embed": _rebuild(meta["embed"], tensors) if meta["embed"] is not None else None,
             "head": _rebuild(meta["head"], tensors)}

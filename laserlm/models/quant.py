@@ -3,17 +3,23 @@
 A quantized matrix ``W [N, K]`` is stored in blocks of 32 weights along K, in two formats with the sizes
 and semantics of GGUF's (so GGUF tensors of these types are used without re-quantization):
 
-========  ======  =========================  ==================================================
-format    bytes   weight                     one row in memory ("structure of arrays")
-========  ======  =========================  ==================================================
-``Q4_1``  20      ``d * q + m``, q in 0..15   ``nb x 16`` bytes of nibbles, ``nb`` fp16 ``d``, ``nb`` fp16 ``m``
-``Q8_0``  34      ``d * q``, q int8           ``nb x 32`` int8, ``nb`` fp16 ``d``
-========  ======  =========================  ==================================================
+========  ======  =========================
+format    bytes   weight
+========  ======  =========================
+``Q4_1``  20      ``d * q + m``, q in 0..15
+``Q8_0``  34      ``d * q``, q int8
+========  ======  =========================
 
-(``nb = K / 32``; nibble byte j of a block holds weight j in its low and weight j + 16 in its high bits, as
-GGUF stores them.) Keeping the scales of a row together lets the kernel convert and scale eight blocks at
-a time; :func:`to_soa` rearranges GGUF's interleaved blocks (and turns Q4_0 into Q4_1 with ``m = -8 d``,
-exactly).
+Two layouts of the same blocks:
+
+- the *row layout* ``uint8 [N, nb * bytes]`` (``nb = K / 32``), "structure of arrays" per row: ``nb x 16``
+  bytes of nibbles (byte j of a block: weight j low, weight j + 16 high, as GGUF), ``nb`` fp16 ``d``, then
+  (Q4_1) ``nb`` fp16 ``m``; or ``nb x 32`` int8 and ``nb`` fp16 ``d`` (Q8_0). What conversion produces
+  (:func:`to_soa` rearranges GGUF's interleaved blocks and turns Q4_0 into Q4_1 with ``m = -8 d``, exactly),
+  what the packed-weights cache and the ONNX export read;
+- the *kernel layout* ``uint8 [ceil(N / 16), nb * 16 * bytes]``: rows taken 16 at a time and column-interleaved
+  block by block (:func:`kernel_layout`; the byte order is documented in ``kernels/quant.cpp``), what
+  :class:`QuantLinear` and :class:`QuantEmbedding` hold and the kernels multiply.
 
 How each GGUF tensor type is taken by ``--weights native`` (see :func:`from_gguf`):
 
@@ -32,12 +38,15 @@ multiple of 32 stay in float (a documented fallback, counted in the load report)
 
 The kernels (:mod:`laserlm.models.kernels`) quantize the activations per 32-block to int16 on the fly (the
 scheme of llama.cpp's Q8_0 / Q8_1 activation blocks with 16-bit values: int8 activations cost SmolLM2 0.92
-decode agreement with the float model, int16 keeps it at 1.0), and read each weight once for up to
-``KERNEL_MAX_ROWS`` rows of activations; longer inputs (prefill chunks, large batches) dequantize the matrix once
-per call and use PyTorch's GEMM, in the *prefill dtype* (:func:`resolve_prefill_dtype`): float32 (BLAS), or
-bfloat16 (oneDNN on AMX tiles, products accumulated in float32, the result rounded to bfloat16 and returned in
-float32), the default where the CPU has AMX-BF16 (about 2x faster pp512 on the bundled models there; WikiText-2
-perplexity within 0.1 % and top-1 agreement with the float32 prefill about 0.98, RESULTS.md).
+decode agreement with the float model, int16 keeps it at 1.0). Each output is an exact integer dot product
+per block, accumulated in float block by block, so a row's result is the same whatever else is in the call.
+Decode and verification steps (at most ``KERNEL_MAX_ROWS`` new tokens per sequence, any number of sequences)
+always run the kernels. Inputs of more positions (prompt chunks) multiply in the *prefill dtype*
+(:func:`resolve_prefill_dtype`): ``int16`` (the default: the same kernels, so a prompt position gets exactly the
+arithmetic of a decode step, whatever the chunking, and pp512 was 1.1-1.3x the bfloat16 GEMM's on an AMD Zen 5), or
+a GEMM over the matrix dequantized once per call: float32 (BLAS; exact to the dequantized weights), or bfloat16
+(oneDNN on AMX tiles or AVX512-BF16, products accumulated in float32, the result rounded to bfloat16 and returned
+in float32).
 """
 
 from __future__ import annotations
@@ -56,20 +65,52 @@ Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type ids
 GGUF_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}  # storage formats of laserlm (Q4_0 is stored as Q4_1)
 FORMAT_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-_SPARE = 16  # bytes after the last row: the kernel loads eight fp16 scales at a time
+GROUP_ROWS = 16  # rows of W per group of the kernel layout
 
 
-def _is_padded(t: torch.Tensor) -> bool:
-    return t.is_contiguous() and t.untyped_storage().nbytes() - t.storage_offset() >= t.numel() + _SPARE
+def kernel_layout(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
+    """Row layout ``uint8 [N, nb * bytes]`` -> kernel layout ``uint8 [ceil(N / 16), nb * 16 * bytes]`` (rows past N
+    are zero blocks). The inverse is :func:`row_layout`.
 
-
-def padded(blocks: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of ``blocks [N, row_bytes]`` whose storage has 16 spare bytes after the end (what
-    the kernels require; :class:`QuantLinear` and :class:`QuantEmbedding` call it)."""
+    Raises:
+        InvalidArgumentError: an unknown format or a row size that is not a whole number of blocks."""
+    if fmt not in BLOCK_BYTES:
+        raise InvalidArgumentError(f"unknown block format {fmt}")
     n, rb = blocks.shape
-    flat = torch.zeros(n * rb + _SPARE, dtype=torch.uint8)
-    flat[: n * rb].copy_(blocks.reshape(-1))
-    return flat[: n * rb].view(n, rb)
+    bb = BLOCK_BYTES[fmt]
+    if rb % bb:
+        raise InvalidArgumentError(f"rows of {rb} bytes are not whole {FORMAT_NAMES[fmt]} blocks")
+    nb, g = rb // bb, -(-n // GROUP_ROWS)
+    if g * GROUP_ROWS != n:
+        blocks = torch.cat([blocks, blocks.new_zeros(g * GROUP_ROWS - n, rb)])
+    b = blocks.reshape(g, GROUP_ROWS, rb)
+    if fmt == Q4_1:
+        qs = b[..., : nb * 16].reshape(g, GROUP_ROWS, nb, 16)
+        v = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(g, GROUP_ROWS, nb, 4, 2, 4)  # [.., h, low/high, j]
+        q = (v[..., 0, :] | (v[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(g, nb, 256)  # [g, nb, h, c, j]
+        sc = b[..., nb * 16:].reshape(g, GROUP_ROWS, 2, nb, 2).permute(0, 3, 2, 1, 4).reshape(g, nb, 64)
+    else:
+        q = b[..., : nb * 32].reshape(g, GROUP_ROWS, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(g, nb, 512)
+        sc = b[..., nb * 32:].reshape(g, GROUP_ROWS, nb, 2).permute(0, 2, 1, 3).reshape(g, nb, 32)
+    return torch.cat([q, sc], dim=-1).reshape(g, nb * GROUP_ROWS * bb).contiguous()
+
+
+def row_layout(qweight: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
+    """Kernel layout ``uint8 [ceil(N / 16), nb * 16 * bytes]`` -> row layout ``uint8 [N, nb * bytes]`` (a copy)."""
+    g, gb = qweight.shape
+    bb = BLOCK_BYTES[fmt]
+    nb = gb // (GROUP_ROWS * bb)
+    r = qweight.reshape(g, nb, GROUP_ROWS * bb)
+    if fmt == Q4_1:
+        q = r[..., :256].reshape(g, nb, 4, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)  # [g, c, nb, h, j]
+        v = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(g, GROUP_ROWS, nb, 32)
+        qs = (v[..., :16] | (v[..., 16:] << 4)).reshape(g * GROUP_ROWS, nb * 16)
+        sc = r[..., 256:].reshape(g, nb, 2, GROUP_ROWS, 2).permute(0, 3, 2, 1, 4).reshape(g * GROUP_ROWS, nb * 4)
+    else:
+        qs = r[..., :512].reshape(g, nb, 8, GROUP_ROWS, 4).permute(0, 3, 1, 2, 4)
+        qs = qs.reshape(g * GROUP_ROWS, nb * 32)
+        sc = r[..., 512:].reshape(g, nb, GROUP_ROWS, 2).permute(0, 2, 1, 3).reshape(g * GROUP_ROWS, nb * 2)
+    return torch.cat([qs, sc], dim=1)[:n].contiguous()
 
 
 def to_soa(aos: torch.Tensor, fmt: int) -> tuple[torch.Tensor, int]:
@@ -87,7 +128,7 @@ def to_soa(aos: torch.Tensor, fmt: int) -> tuple[torch.Tensor, int]:
         m = (-8 * d.contiguous().view(torch.float16)).view(torch.uint8)
         return torch.cat([b[..., 2:].reshape(n, nb * 16), d, m], dim=1).contiguous(), Q4_1
     raise InvalidArgumentError(f"no block layout for GGML type {fmt}")
-# inputs with more rows than this are multiplied by a float32 copy of the matrix (BLAS GEMM)
+# inputs with more new tokens per sequence than this (prompt chunks) are multiplied by a dequantized copy (GEMM)
 KERNEL_MAX_ROWS = 16
 
 QUANTIZED_FORMATS = ("int8", "int4", "native")
@@ -145,49 +186,58 @@ def dequantize_reference(blocks: torch.Tensor, fmt: int, k: int) -> torch.Tensor
     return (d * q + m).reshape(n, k)
 
 
-def dequantize(blocks: torch.Tensor, fmt: int, k: int, rows: torch.Tensor | None = None,
+def dequantize(qweight: torch.Tensor, fmt: int, k: int, n: int, rows: torch.Tensor | None = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[N, K]`` (or ``[len(rows), K]``) from blocks in ``dtype`` (float32, or bfloat16: each float32 value rounded
-    to nearest even), with the compiled kernel when available."""
+    """``[N, K]`` (or ``[len(rows), K]``) from a matrix in the kernel layout, in ``dtype`` (float32, or bfloat16: each
+    float32 value rounded to nearest even), with the compiled kernel when available."""
     ops = kernels.ops()
     if ops is not None:
-        blocks = blocks if _is_padded(blocks) else padded(blocks)
         idx = rows if rows is not None else torch.empty(0, dtype=torch.long)
-        return ops.dequantize(blocks, fmt, k, idx, dtype == torch.bfloat16)
+        return ops.dequantize(qweight, fmt, k, n, idx, dtype == torch.bfloat16)
+    blocks = row_layout(qweight, fmt, n)
     sub = blocks if rows is None else blocks[rows]
     return dequantize_reference(sub, fmt, k).to(dtype)
 
 
 def resolve_prefill_dtype(name: str | torch.dtype | None) -> torch.dtype:
-    """The dtype of the matrix products of quantized weights over more than ``KERNEL_MAX_ROWS`` rows.
+    """The arithmetic of the quantized weights' products over more than ``KERNEL_MAX_ROWS`` positions.
 
-    ``"auto"``/``None``: bfloat16 where the CPU multiplies bfloat16 matrices in hardware
-    (:func:`laserlm.models.kernels.hardware_bf16_gemm`: AMX-BF16 or AVX512-BF16), else float32. ``"float32"``
-    keeps prefill exact to the dequantized weights (the parity reference).
+    ``torch.int16``: the block kernels (activations rounded to int16 per block, exact integer sums), the arithmetic
+    of a decode step; ``torch.float32`` / ``torch.bfloat16``: a GEMM over the dequantized matrix (float32 is exact to
+    the dequantized weights). ``"auto"``/``None``: int16 where the kernels are built, else bfloat16 where the CPU
+    multiplies bfloat16 matrices in hardware (:func:`laserlm.models.kernels.hardware_bf16_gemm`), else float32.
+    An explicit ``"int16"`` without the kernels falls back the same way (the kernels warned once).
 
     Raises:
         InvalidArgumentError: any other value.
     """
-    if isinstance(name, torch.dtype) and name in (torch.float32, torch.bfloat16):
+    if isinstance(name, torch.dtype) and name in (torch.int16, torch.float32, torch.bfloat16):
         return name
-    if name is None or name == "auto":
+    if name in (None, "auto", "int16"):
+        if kernels.ops() is not None:
+            return torch.int16
         return torch.bfloat16 if kernels.hardware_bf16_gemm() else torch.float32
     if name in ("float32", "bfloat16"):
         return getattr(torch, name)
     raise InvalidArgumentError(f"unknown prefill dtype {name!r}; expected one of {', '.join(PREFILL_DTYPES)}")
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: int, k: int,
-           prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``x [M, K]`` float32 @ ``W.T`` -> ``[M, N]`` float32, W given as blocks. Up to ``KERNEL_MAX_ROWS`` rows: the
-    block kernel (int16 activations); more: a GEMM over the dequantized matrix in ``prefill_dtype`` (bfloat16:
-    operands rounded to bfloat16, float32 accumulation, the result rounded to bfloat16)."""
+def matmul(x: torch.Tensor, qweight: torch.Tensor, fmt: int, k: int, n: int,
+           prefill_dtype: torch.dtype = torch.int16, kernel: bool | None = None) -> torch.Tensor:
+    """``x [M, K]`` float32 @ ``W.T`` -> ``[M, N]`` float32, W in the kernel layout.
+
+    ``kernel``: run the block kernel (int16 activations; each row's result independent of the others); else the
+    ``prefill_dtype`` arithmetic: the kernel too for ``torch.int16``, or a GEMM over the dequantized matrix (bfloat16:
+    operands rounded to bfloat16, float32 accumulation, the result rounded to bfloat16). ``None``: the kernel for at
+    most ``KERNEL_MAX_ROWS`` rows."""
     ops = kernels.ops()
-    if ops is not None and x.shape[0] <= KERNEL_MAX_ROWS:
-        return ops.qmatmul(x, blocks if _is_padded(blocks) else padded(blocks), fmt, k)
+    if kernel is None:
+        kernel = x.shape[0] <= KERNEL_MAX_ROWS
+    if ops is not None and (kernel or prefill_dtype == torch.int16):
+        return ops.qmatmul(x, qweight, fmt, k, n)
     if prefill_dtype == torch.bfloat16:
-        return F.linear(x.bfloat16(), dequantize(blocks, fmt, k, dtype=torch.bfloat16)).float()
-    return x @ dequantize(blocks, fmt, k).T
+        return F.linear(x.bfloat16(), dequantize(qweight, fmt, k, n, dtype=torch.bfloat16)).float()
+    return x @ dequantize(qweight, fmt, k, n).T
 
 
 # -- modules ---------------------------------------------------------------------------------------
@@ -195,15 +245,21 @@ class QuantLinear(nn.Module):
     """A linear layer over block-quantized weights: ``[..., K] -> [..., N]``.
 
     Args:
-        blocks: ``uint8 [N, K/32 * bytes]`` GGML blocks (see the module docstring).
-        fmt: ``Q4_0``, ``Q4_1`` or ``Q8_0`` (GGML type id).
+        blocks: ``uint8 [N, K/32 * bytes]`` blocks in the row layout (see the module docstring); stored in the
+            kernel layout (``qweight``). :meth:`from_qweight` takes a matrix already in the kernel layout.
+        fmt: ``Q4_1`` or ``Q8_0`` (GGML type id).
         in_features: K (a multiple of 32).
         bias: optional float ``[N]``.
 
-    Inputs of any float dtype are computed in float32 and returned in the input's dtype; more than
-    ``KERNEL_MAX_ROWS`` rows multiply in ``prefill_dtype`` (an attribute, float32 unless the loader sets it: see
-    :func:`matmul`). ``weight`` dequantizes on demand (float32 ``[N, K]``; for code that reads weights, not for the
-    hot path).
+    Inputs of any float dtype are computed in float32 and returned in the input's dtype. An input ``[..., T, K]``
+    with at most ``KERNEL_MAX_ROWS`` positions ``T`` (a decode or verification step of any number of sequences, or a
+    2-D input of at most that many rows) runs the block kernel, so a sequence's result never depends on the batch it
+    is in; longer inputs (prompt chunks) multiply in ``prefill_dtype`` (an attribute: int16, the kernel, unless the
+    loader sets another: see :func:`resolve_prefill_dtype`). ``weight`` dequantizes on demand (float32 ``[N, K]``; for code that reads weights, not
+    for the hot path); ``blocks`` gives the row layout (a copy).
+
+    Raises:
+        InvalidArgumentError: an unknown format or blocks that do not hold rows of ``in_features`` weights.
     """
 
     def __init__(self, blocks: torch.Tensor, fmt: int, in_features: int, bias: torch.Tensor | None = None):
@@ -213,27 +269,52 @@ class QuantLinear(nn.Module):
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != in_features // QK * BLOCK_BYTES[fmt]:
             raise InvalidArgumentError(f"{FORMAT_NAMES[fmt]} blocks of shape {tuple(blocks.shape)} do not hold "
                                        f"rows of {in_features} weights")
-        self.register_buffer("blocks", blocks if _is_padded(blocks) else padded(blocks))
+        self._setup(kernel_layout(blocks, fmt), fmt, in_features, blocks.shape[0], bias)
+
+    @classmethod
+    def from_qweight(cls, qweight: torch.Tensor, fmt: int, in_features: int, out_features: int,
+                     bias: torch.Tensor | None = None) -> "QuantLinear":
+        """A layer over ``qweight`` (kernel layout ``uint8 [ceil(N / 16), K/32 * 16 * bytes]``), shared, not copied.
+
+        Raises:
+            InvalidArgumentError: a shape that does not match ``in_features`` / ``out_features``."""
+        expect = (-(-out_features // GROUP_ROWS), in_features // QK * GROUP_ROWS * BLOCK_BYTES.get(fmt, 0))
+        if fmt not in BLOCK_BYTES or qweight.dtype != torch.uint8 or tuple(qweight.shape) != expect:
+            raise InvalidArgumentError(f"a kernel-layout matrix of shape {tuple(qweight.shape)} does not hold "
+                                       f"{out_features} rows of {in_features} weights in format {fmt}")
+        mod = cls.__new__(cls)
+        nn.Module.__init__(mod)
+        mod._setup(qweight.contiguous(), fmt, in_features, out_features, bias)
+        return mod
+
+    def _setup(self, qweight, fmt, in_features, out_features, bias):
+        self.register_buffer("qweight", qweight)
         self.fmt = fmt
         self.in_features = in_features
-        self.out_features = blocks.shape[0]
+        self.out_features = out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.prefill_dtype = torch.float32
+        self.prefill_dtype = torch.int16
 
     @property
     def weight(self) -> torch.Tensor:
-        return dequantize(self.blocks, self.fmt, self.in_features)
+        return dequantize(self.qweight, self.fmt, self.in_features, self.out_features)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return row_layout(self.qweight, self.fmt, self.out_features)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel() + (0 if self.bias is None else self.bias.numel() * 4)
+        return self.qweight.numel() + (0 if self.bias is None else self.bias.numel() * 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32:
             x2 = x2.float()
-        y = matmul(x2, self.blocks, self.fmt, self.in_features, self.prefill_dtype)
+        positions = x.shape[-2] if x.dim() >= 3 else x2.shape[0]
+        y = matmul(x2, self.qweight, self.fmt, self.in_features, self.out_features, self.prefill_dtype,
+                   kernel=positions <= KERNEL_MAX_ROWS)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*lead, self.out_features).to(x.dtype)
@@ -280,27 +361,35 @@ class RowSlice(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Token embedding read from block-quantized rows: ``ids [B, T] -> [B, T, d]`` (float32 unless
-    ``dtype``), times ``scale`` (Gemma's ``sqrt(d)``) when given. Only the rows of the ids are dequantized."""
+    ``dtype``), times ``scale`` (Gemma's ``sqrt(d)``) when given. Only the rows of the ids are dequantized.
+    ``blocks`` is the row layout (stored in the kernel layout, ``qweight``, so that a tied LM head shares it)."""
 
     def __init__(self, blocks: torch.Tensor, fmt: int, dim: int, scale: float | None = None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, *, qweight: torch.Tensor | None = None,
+                 num_embeddings: int | None = None):
         super().__init__()
-        self.register_buffer("blocks", blocks if _is_padded(blocks) else padded(blocks))
-        self.fmt, self.embedding_dim, self.num_embeddings = fmt, dim, blocks.shape[0]
+        if qweight is None:
+            qweight, num_embeddings = kernel_layout(blocks, fmt), blocks.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.fmt, self.embedding_dim, self.num_embeddings = fmt, dim, num_embeddings
         self.scale = scale
         self.dtype = dtype
 
     @property
     def weight(self) -> torch.Tensor:
-        return dequantize(self.blocks, self.fmt, self.embedding_dim)
+        return dequantize(self.qweight, self.fmt, self.embedding_dim, self.num_embeddings)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        return row_layout(self.qweight, self.fmt, self.num_embeddings)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return self.qweight.numel()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        out = dequantize(self.blocks, self.fmt, self.embedding_dim, flat)
+        out = dequantize(self.qweight, self.fmt, self.embedding_dim, self.num_embeddings, flat)
         if self.scale is not None:
             out = out * torch.tensor(self.scale, dtype=self.dtype).float()
         return out.to(self.dtype).view(*input_ids.shape, self.embedding_dim)

@@ -105,11 +105,22 @@ def _native_args(layer):
     q_norm = getattr(a, "q_norm", None)
     norms += [_norm_params(q_norm)[0], _norm_params(a.k_norm)[0]] if q_norm is not None else [_EMPTY, _EMPTY]
     hd = a.head_dim
-    args = (norms, eps, [m.blocks for m in mats], [m.fmt for m in mats],
+    args = (norms, eps, [m.qweight for m in mats], [m.fmt for m in mats],
             pk.qkv.bias if pk.qkv.bias is not None else _EMPTY, pk.q_size // hd, pk.kv_size // hd, hd,
             float(a.scaling), int(_sliding_window(layer) or 0), act, pk.intermediate)
     object.__setattr__(pk, "_native", args)
     return args
+
+
+def _kernel_positions(layer, positions: int) -> bool:
+    """Whether the compiled layer kernel takes a forward of ``positions`` new tokens per sequence: a decode or
+    verification step (at most ``KERNEL_MAX_ROWS``) always; a prompt chunk when the layer's matrices multiply prompt
+    chunks with the kernels' arithmetic (prefill dtype int16, the default), so that a prompt position is computed
+    exactly as a decode step computes it, whatever the chunking."""
+    if positions <= KERNEL_MAX_ROWS:
+        return True
+    pk = getattr(layer, "laserlm_packed", None)
+    return pk is not None and getattr(pk.qkv, "prefill_dtype", None) == torch.int16
 
 
 KERNEL_BATCH_ROWS = 2  # per-layer path only (the engine runs layers through NativeStack): a paged batch of at most this
@@ -155,7 +166,7 @@ def _native_layer(layer, hidden, cos, sin, cache):
     batches and windows with evicted pages take the PyTorch ops below."""
     paged = _paged_kernel_rows(cache) and hidden.shape[0] == len(cache.rows)
     if not (paged or isinstance(cache, CacheWindow)) or hidden.dtype != torch.float32 \
-            or hidden.shape[1] > KERNEL_MAX_ROWS:
+            or not _kernel_positions(layer, hidden.shape[1]):
         return None
     ops = kernels.ops()
     ctx = attn.current_context()
@@ -208,7 +219,7 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
     ``hidden [B, T, d]`` float32."""
     paged = getattr(cache, "rows", None) is not None
     if not (paged or isinstance(cache, CacheWindow)) or hidden.dtype != torch.float32 \
-            or hidden.shape[1] > KERNEL_MAX_ROWS:
+            or not _kernel_positions(layers[start], hidden.shape[1]):
         return None, start
     if paged and (cache.evicted or cache.pool.k.dtype != torch.float32 or hidden.shape[0] != len(cache.rows)):
         return None, start

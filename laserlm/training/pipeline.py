@@ -533,14 +533,15 @@ def _chat_tokens(lm, cfg: CalibrateConfig, n_tokens: int, work: Path, progress: 
     return tokens, counted, report
 
 
-class float32_products:
-    """Context manager: the quantized matrices of ``engine`` multiply many rows in float32 while it is active.
+class decode_products:
+    """Context manager: the quantized matrices of ``engine`` multiply many rows with the arithmetic of a decode step
+    (the int16 block kernels; float32 where they are not built) while it is active.
 
     Calibration compares decoding token by token (the decode kernel) with references from many-row forwards
-    (collected states, batched propagate decoding). With a bfloat16 many-row product (``prefill_dtype`` auto on a CPU
-    with AVX512-BF16 or AMX) the reference logits are rounded into ties that flip the top-1 token at ~3 % of
-    positions (measured on SmolLM2, Zen 4: 30 of 1024 against 1 in float32), a disagreement floor that no threshold
-    can remove, so a propagate certificate of 0.99 became impossible. Float weights are unaffected."""
+    (collected states, batched propagate decoding). With a bfloat16 many-row product the reference logits were
+    rounded into ties that flipped the top-1 token at ~3 % of positions (SmolLM2, Zen 4: 30 of 1024 against 1 in
+    float32), a disagreement floor that no threshold can remove. With the kernels' arithmetic every row is computed
+    as in decoding. Float weights are unaffected."""
 
     def __init__(self, engine):
         a = engine.adapter
@@ -550,8 +551,11 @@ class float32_products:
 
     def __enter__(self):
         self.saved = [m.prefill_dtype for m in self.mods]
+        from ..models import kernels  # noqa: PLC0415
+
+        products = torch.int16 if kernels.ops() is not None else torch.float32
         for m in self.mods:
-            m.prefill_dtype = torch.float32
+            m.prefill_dtype = products
         return self
 
     def __exit__(self, *exc):
@@ -611,7 +615,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
            "predictor": None, "predictor_report": None,
            "text_report": text_report}
     runner = StageRunner(work, list(STAGES), resume=resume, say=lambda m: _say(m, progress))
-    with float32_products(engine):  # one precision for references and decoding (see float32_products)
+    with decode_products(engine):  # one arithmetic for references and decoding (see decode_products)
         runner.run(ctx)
     sec = runner.seconds
     timings = {"collect_s": load_s + sec.get("collect", 0.0)}

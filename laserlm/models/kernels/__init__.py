@@ -1,6 +1,6 @@
 """Build and load laserlm's block-quantized CPU kernels (``quant.cpp``) once per machine.
 
-The C++ source is compiled with ``torch.utils.cpp_extension`` for the host CPU (``-march=native``) the
+The C++ source (``quant.cpp`` and the matrix kernels it includes, ``qgemm.h``) is compiled with ``torch.utils.cpp_extension`` for the host CPU (``-march=native``) the
 first time a quantized model is used, and cached under ``<laserlm cache>/kernels/<key>`` where the key
 hashes the source, the torch version and the CPU flags, so a moved cache never runs code built for
 another processor. Compilation needs a C++ compiler and ninja (about a minute on 2 cores); when it is
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("quant.cpp")
+_HEADERS = (Path(__file__).with_name("qgemm.h"),)  # included by quant.cpp
 _lock = threading.Lock()
 _ops = None
 _tried = False
@@ -41,7 +42,7 @@ def _cpu_flags() -> str:
 
 def build_key() -> str:
     """Hash of the kernel source, torch version and CPU flags (names the build directory)."""
-    raw = _SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode() + sys.version.encode()
+    raw = b"".join(p.read_bytes() for p in (_SOURCE, *_HEADERS)) + torch.__version__.encode() + _cpu_flags().encode() + sys.version.encode()
     return hashlib.sha1(raw).hexdigest()[:16]
 
 
@@ -65,6 +66,7 @@ def _build():
         functions=None,  # quant.cpp has its own PYBIND11_MODULE (functions and the LayerStack class)
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(_SOURCE.parent)],
         build_directory=str(build_dir),
         verbose=False,
     )
@@ -141,13 +143,6 @@ def _load_prebuilt():
         return mod if mod.has_avx2() in (True, False) else None
     except Exception:  # noqa: BLE001 - a broken file is rebuilt
         return None
-
-
-def cache_dir_built() -> bool:
-    from ..cache import cache_root  # noqa: PLC0415
-
-    d = cache_root() / "kernels" / build_key()
-    return any(d.glob("laserlm_quant*.so")) if d.is_dir() else False
 
 
 def unavailable_reason() -> str | None:

@@ -1,429 +1,90 @@
-// laserlm's block-quantized matrix kernels (CPU): y = x @ W.T with W stored in blocks of 32 weights.
-//
-// In-memory layout of one row of W (K/32 = nb blocks), "structure of arrays" so that scales are converted
-// and multiplied eight blocks at a time:
-//   Q4_1  [nb x 16 bytes of nibbles][nb x fp16 d][nb x fp16 m]     w = d * q + m,  q in 0..15
-//   Q8_0  [nb x 32 int8][nb x fp16 d]                              w = d * q
-// (20 / 34 bytes per block, the sizes of GGUF's Q4_1 / Q8_0; GGUF Q4_0 becomes Q4_1 with m = -8 d, exactly).
-// Nibble byte j of a block holds weight j (low 4 bits) and weight j + 16 (high 4 bits), as in GGUF.
-// Every weight tensor is allocated with 16 spare bytes at its end (8-wide loads of the last row's scales).
-//
-// Activations are quantized per 32-block to int16 on the fly (the scheme of llama.cpp's Q8_0 / Q8_1
-// activation blocks with 16-bit values), then each block dot product is an integer multiply-add
-// (AVX2 madd_epi16) scaled in float, the structure of ggml_vec_dot_q4_1_q8_1 / _q8_0_q8_0:
-//   Q4_1: sum_b d_w d_x sum(q_w q_x) + sum_b m_w sum(x)
-//   Q8_0: sum_b d_w d_x sum(q_w q_x)
-// Each weight block is read once per call for all T rows of x (T = 1..16: decode and verification).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-#include <algorithm>
+// laserlm's CPU kernels bound to torch: block-quantized matrix products (qgemm.h), dequantization, and one whole
+// decoder layer (or a run of them) for a few tokens: decode, verification and batched steps.
+#include "qgemm.h"
+
 #include <cmath>
-#include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define LASERLM_AVX2 1
-#else
-#define LASERLM_AVX2 0
-#endif
-
 namespace {
 
-constexpr int QK = 32;
-enum Fmt : int64_t { Q4_1 = 3, Q8_0 = 8 };  // GGML type ids of the semantics
-
-inline int block_bytes(int64_t fmt) {
-  switch (fmt) {
-    case Q4_1: return 20;
-    case Q8_0: return 34;
-  }
-  TORCH_CHECK(false, "laserlm kernels: unsupported block format ", fmt);
-}
-inline int quant_bytes(int64_t fmt) { return fmt == Q8_0 ? 32 : 16; }
-
-inline float fp16_to_fp32(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
-
-constexpr int64_t PF_ROWS = 4;
-inline int64_t round8(int64_t n) { return (n + 7) / 8 * 8; }
-
-// ---- activation quantization: x [T, K] -> int16 [T, qstride], d [T, nbs], s = sum(x) [T, nbs] (nbs = round8(nb),
-// padding lanes zero). int16 per 32-block (d = max|x_b| / 32767): the rounding error is 1/256 of llama.cpp's
-// int8 activations, which matters on small models whose hidden states have large outlier channels.
-// Two layouts of a row of int16 values (qstride = nbp * 32, nbp = nb rounded up to even, the padding block zero):
-//   natural (Q8_0 weights): value j of block b at b * 32 + j;
-//   paired  (Q4_1 weights): blocks 2P and 2P + 1 share 64 values, value j of block b at
-//           P * 64 + v * 16 + (b % 2) * 8 + (j % 16) / 2 with v = 2 (j % 2) + (j >= 16): the order in which
-//           dot_rows_q4_1 extracts the nibbles of the two blocks from one 32-byte load (no widening shuffles).
-inline int64_t nb_even(int64_t nb) { return (nb + 1) / 2 * 2; }
-inline int64_t q16_index(int64_t b, int j, bool paired) {
-  if (!paired) return b * QK + j;
-  return (b >> 1) * 64 + (2 * (j & 1) + (j >= 16)) * 16 + (b & 1) * 8 + ((j & 15) >> 1);
-}
-
-void quantize_rows_q16(const float* x, int64_t T, int64_t K, bool paired, int16_t* q, int64_t qstride, float* d,
-                       float* s) {
-  const int64_t nb = K / QK, nbs = round8(nb);
-  std::fill(d, d + T * nbs, 0.f);
-  std::fill(s, s + T * nbs, 0.f);
-  std::fill(q, q + T * qstride, static_cast<int16_t>(0));
-  at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
-    for (int64_t i = b0; i < b1; ++i) {
-      const int64_t t = i / nb, b = i % nb;
-      const float* xb = x + i * QK;
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < QK; ++j) {
-        amax = std::max(amax, std::fabs(xb[j]));
-        sum += xb[j];
-      }
-      const float dd = amax / 32767.f;
-      const float id = dd != 0.f ? 1.f / dd : 0.f;
-      int16_t* qt = q + t * qstride;
-      if (paired) {
-        for (int j = 0; j < QK; ++j) qt[q16_index(b, j, true)] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
-      } else {
-        for (int j = 0; j < QK; ++j) qt[b * QK + j] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
-      }
-      d[t * nbs + b] = dd;
-      s[t * nbs + b] = sum;
-    }
-  });
-}
-
-#if LASERLM_AVX2
-inline float hsum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
-
-// acc + madd_epi16(a, b): one VNNI instruction (vpdpwssd) where the CPU has it (AVX512-VNNI with VL, or AVX-VNNI),
-// else a multiply-add and an add; the same int32 sums either way (no saturation in either form).
-inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpwssd_epi32(acc, a, b);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
-
-inline __m256 keep_mask(int cnt) {
-  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-// Dot products of one weight row with TN int16 activation rows, eight blocks per step. The integer dot product
-// of each block stays in int32 lanes until the eight blocks' sums are gathered into one vector by horizontal adds;
-// then one convert and one fused multiply-add per eight blocks apply the scales d_w * d_x. (A multiply-add per
-// block chained the accumulator through the FMA latency: ~6 cycles per block.) Products are int16 x int16 ->
-// int32 (_mm256_madd_epi16) and cannot overflow: |q_w| <= 127, |q_x| <= 32767, at most 32 products per lane sum.
-//
-// Q4_1: one 32-byte load holds the nibbles of two blocks (one per 128-bit lane); masks and 16-bit shifts give
-// four vectors of 16 weights each, already int16, in the "paired" activation order.
-template <int TN>
-inline void dot_rows_q4_1(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
-                          int64_t nb, float* out, int64_t ostride) {
-  const int64_t nbs = round8(nb);
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * 16);
-  const uint16_t* mh = dh + nb;
-  const __m256i m4 = _mm256_set1_epi16(0x000F);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // hadd order [0 2 4 6 1 3 5 7] -> natural
-  __m256 acc[TN], macc[TN];
-#pragma GCC unroll 4
-  for (int i = 0; i < TN; ++i) acc[i] = macc[i] = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-    const int cnt = static_cast<int>(std::min<int64_t>(8, nb - b0));
-    const __m256 keep = keep_mask(cnt);
-    const __m256 dv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b0))), keep);
-    const __m256 mv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mh + b0))), keep);
-#pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) macc[i] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + i * nbs + b0), macc[i]);
-    const int npairs = (cnt + 1) / 2;
-    auto pair = [&](const int q, __m256i* p) __attribute__((always_inline)) {
-      if (q >= npairs) {
-#pragma GCC unroll 4
-        for (int i = 0; i < TN; ++i) p[i] = _mm256_setzero_si256();
-        return;
-      }
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b0 + 2 * q) * 16));
-      const __m256i wa = _mm256_and_si256(raw, m4);
-      const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-      const __m256i wc = _mm256_and_si256(_mm256_srli_epi16(raw, 8), m4);
-      const __m256i wd = _mm256_srli_epi16(raw, 12);
-#pragma GCC unroll 4
-      for (int i = 0; i < TN; ++i) {
-        const __m256i* xp = reinterpret_cast<const __m256i*>(xq + i * xstride + (b0 / 2 + q) * 64);
-        const __m256i s0 = madd_add(_mm256_madd_epi16(wa, _mm256_loadu_si256(xp)), wb, _mm256_loadu_si256(xp + 1));
-        const __m256i s1 = madd_add(_mm256_madd_epi16(wc, _mm256_loadu_si256(xp + 2)), wd, _mm256_loadu_si256(xp + 3));
-        p[i] = _mm256_add_epi32(s0, s1);  // lanes 0-3: block b0 + 2q, lanes 4-7: block b0 + 2q + 1
-      }
-    };
-    __m256i p0[TN], p1[TN], ha[TN];
-    pair(0, p0);
-    pair(1, p1);
-#pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) ha[i] = _mm256_hadd_epi32(p0[i], p1[i]);
-    pair(2, p0);
-    pair(3, p1);
-#pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) {
-      const __m256i h = _mm256_hadd_epi32(ha[i], _mm256_hadd_epi32(p0[i], p1[i]));
-      const __m256 sums = _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(h, order));
-      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_loadu_ps(xd + i * nbs + b0)), sums, acc[i]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < TN; ++i) out[i * ostride] = hsum(_mm256_add_ps(acc[i], macc[i]));
-}
-
-// Q8_0: each block's 32 int8 weights are widened to int16 (two 16-byte loads), natural activation order.
-template <int TN>
-inline void dot_rows_q8_0(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float*,
-                          int64_t nb, float* out, int64_t ostride) {
-  const int64_t nbs = round8(nb);
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * 32);
-  __m256 acc[TN];
-#pragma GCC unroll 4
-  for (int i = 0; i < TN; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
-    const int cnt = static_cast<int>(std::min<int64_t>(8, nb - b0));
-    const __m256 dv = _mm256_and_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dh + b0))),
-                                    keep_mask(cnt));
-    auto blk = [&](const int j, __m256i* p) __attribute__((always_inline)) {
-      if (j >= cnt) {
-#pragma GCC unroll 4
-        for (int i = 0; i < TN; ++i) p[i] = _mm256_setzero_si256();
-        return;
-      }
-      const uint8_t* wp = row + (b0 + j) * 32;
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)));
-      const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp + 16)));
-#pragma GCC unroll 4
-      for (int i = 0; i < TN; ++i) {
-        const __m256i* xp = reinterpret_cast<const __m256i*>(xq + i * xstride + (b0 + j) * QK);
-        p[i] = madd_add(_mm256_madd_epi16(w0, _mm256_loadu_si256(xp)), w1, _mm256_loadu_si256(xp + 1));
-      }
-    };
-    __m256i pa[TN], pb[TN], t[TN], hl[TN];
-    // hadd tree: after two levels lane j of the low / high 128 bits holds the low / high half-sum of block j
-    blk(0, pa);
-    blk(1, pb);
-#pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) t[i] = _mm256_hadd_epi32(pa[i], pb[i]);
-    blk(2, pa);
-    blk(3, pb);
-#pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) hl[i] = _mm256_hadd_epi32(t[i], _mm256_hadd_epi32(pa[i], pb[i]));  // blocks 0-3
-    blk(4, pa);
-    blk(5, pb);
-#pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) t[i] = _mm256_hadd_epi32(pa[i], pb[i]);
-    blk(6, pa);
-    blk(7, pb);
-#pragma GCC unroll 4
-    for (int i = 0; i < TN; ++i) {
-      const __m256i hh = _mm256_hadd_epi32(t[i], _mm256_hadd_epi32(pa[i], pb[i]));  // blocks 4-7
-      const __m256i s = _mm256_add_epi32(_mm256_permute2x128_si256(hl[i], hh, 0x20),
-                                         _mm256_permute2x128_si256(hl[i], hh, 0x31));
-      acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_loadu_ps(xd + i * nbs + b0)), _mm256_cvtepi32_ps(s), acc[i]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < TN; ++i) out[i * ostride] = hsum(acc[i]);
-}
-#else
-template <int TN>
-inline void dot_rows_scalar(int64_t fmt, const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd,
-                            const float* xs, int64_t nb, float* out, int64_t ostride) {
-  const int64_t nbs = round8(nb);
-  const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * quant_bytes(fmt));
-  const uint16_t* mh = dh + nb;
-  const bool paired = fmt == Q4_1;
-  for (int t = 0; t < TN; ++t) {
-    const int16_t* qx = xq + t * xstride;
-    float total = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      int64_t isum = 0;
-      if (fmt == Q8_0) {
-        const int8_t* qw = reinterpret_cast<const int8_t*>(row + b * 32);
-        for (int j = 0; j < QK; ++j) isum += qw[j] * qx[q16_index(b, j, false)];
-      } else {
-        const uint8_t* q = row + b * 16;
-        for (int j = 0; j < 16; ++j) {
-          isum += (q[j] & 0x0F) * qx[q16_index(b, j, paired)];
-          isum += (q[j] >> 4) * qx[q16_index(b, j + 16, paired)];
-        }
-        total += fp16_to_fp32(mh[b]) * xs[t * nbs + b];
-      }
-      total += fp16_to_fp32(dh[b]) * xd[t * nbs + b] * static_cast<float>(isum);
-    }
-    out[t * ostride] = total;
-  }
-}
-template <int TN>
-inline void dot_rows_q4_1(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
-                          int64_t nb, float* out, int64_t ostride) {
-  dot_rows_scalar<TN>(Q4_1, row, xq, xstride, xd, xs, nb, out, ostride);
-}
-template <int TN>
-inline void dot_rows_q8_0(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
-                          int64_t nb, float* out, int64_t ostride) {
-  dot_rows_scalar<TN>(Q8_0, row, xq, xstride, xd, xs, nb, out, ostride);
-}
-#endif
-
-#ifndef LASERLM_ROW_GROUP
-#define LASERLM_ROW_GROUP 4
-#endif
-constexpr int ROW_GROUP = LASERLM_ROW_GROUP;  // activation rows per pass over a weight row
-
-template <int FMT, int TN>
-inline void dot_rows(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
-                     int64_t nb, float* out, int64_t ostride) {
-  if (FMT == Q4_1) dot_rows_q4_1<TN>(row, xq, xstride, xd, xs, nb, out, ostride);
-  else dot_rows_q8_0<TN>(row, xq, xstride, xd, xs, nb, out, ostride);
-}
-
-template <int FMT>
-inline void dot_rows_any(const uint8_t* row, const int16_t* xq, int64_t xstride, const float* xd, const float* xs,
-                         int64_t nb, int64_t T, float* out, int64_t ostride) {
-  const int64_t nbs = round8(nb);
-  int64_t t = 0;
-  for (; t + ROW_GROUP <= T; t += ROW_GROUP)
-    dot_rows<FMT, ROW_GROUP>(row, xq + t * xstride, xstride, xd + t * nbs, xs + t * nbs, nb, out + t * ostride, ostride);
-  const int64_t rest = T - t;
-  const int16_t* q = xq + t * xstride;
-  const float *d = xd + t * nbs, *s = xs + t * nbs;
-  float* o = out + t * ostride;
-  if (rest == 3) dot_rows<FMT, 3>(row, q, xstride, d, s, nb, o, ostride);
-  else if (rest == 2) dot_rows<FMT, 2>(row, q, xstride, d, s, nb, o, ostride);
-  else if (rest == 1) dot_rows<FMT, 1>(row, q, xstride, d, s, nb, o, ostride);
-}
-
-// y [T, N] (row stride ldy) = x [T, K] @ W.T, W = N rows of blocks.
-// Tiled for many activation rows (prefill chunks, batches of B rows, draft verification): each thread takes a tile
-// of weight rows sized to stay in L2 (TILE_BYTES) and runs every group of ROW_GROUP activation rows over it, so one
-// group's int16 rows stay in L1 across the tile. Without tiles, 16 rows of a K = 1536 input (48 KiB) spilled
-// from L1 on every weight row and the 16-row step cost 2.5x the 8-row one. T <= ROW_GROUP keeps the plain streaming
-// loop: the tiled loop with one group measured 1.3-1.4x slower at T = 4 (code generation of the nested loop).
-constexpr int64_t TILE_BYTES = 96 * 1024;
-void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t fmt, float* y,
-                   int64_t ldy) {
-  const int64_t nb = K / QK, rb = nb * block_bytes(fmt), nbs = round8(nb), qstride = nb_even(nb) * QK;
-  std::vector<int16_t> xq(T * qstride);
-  std::vector<float> xd(T * nbs), xs(T * nbs);
-  quantize_rows_q16(x, T, K, fmt == Q4_1, xq.data(), qstride, xd.data(), xs.data());
-  const int64_t grain = std::max<int64_t>(16, 2048 / std::max<int64_t>(nb, 1));
-  if (T <= ROW_GROUP) {  // decode, short verification: one pass, each weight row read once for all T rows
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * rb;
-        if (n + PF_ROWS < n1) {  // software prefetch: the hardware prefetcher alone left the loop at ~half bandwidth
-          const uint8_t* next = row + PF_ROWS * rb;
-          for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
-        }
-        if (fmt == Q4_1) dot_rows_any<Q4_1>(row, xq.data(), qstride, xd.data(), xs.data(), nb, T, y + n, ldy);
-        else dot_rows_any<Q8_0>(row, xq.data(), qstride, xd.data(), xs.data(), nb, T, y + n, ldy);
-      }
-    });
-    return;
-  }
-  const int64_t tile = std::max<int64_t>(8, TILE_BYTES / std::max<int64_t>(rb, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += tile) {
-      const int64_t t1 = std::min(n1, t0 + tile);
-      for (int64_t g = 0; g < T; g += ROW_GROUP) {
-        const int64_t rows = std::min<int64_t>(ROW_GROUP, T - g);
-        const int16_t* q = xq.data() + g * qstride;
-        const float *d = xd.data() + g * nbs, *s = xs.data() + g * nbs;
-        for (int64_t n = t0; n < t1; ++n) {
-          const uint8_t* row = w + n * rb;
-          // software prefetch on the first pass (the hardware prefetcher alone left the loop at ~half bandwidth)
-          if (g == 0 && n + PF_ROWS < n1) {
-            const uint8_t* next = row + PF_ROWS * rb;
-            for (int64_t off = 0; off < rb; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
-          }
-          if (fmt == Q4_1) dot_rows_any<Q4_1>(row, q, qstride, d, s, nb, rows, y + g * ldy + n, ldy);
-          else dot_rows_any<Q8_0>(row, q, qstride, d, s, nb, rows, y + g * ldy + n, ldy);
-        }
-      }
-    }
-  });
-}
-
-void check_weight(const torch::Tensor& w, int64_t fmt, int64_t K) {
-  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(), "weight blocks must be a contiguous uint8 [N, row_bytes] tensor");
-  TORCH_CHECK(K % QK == 0, "in_features must be a multiple of 32, got ", K);
-  TORCH_CHECK(w.size(1) == (K / QK) * block_bytes(fmt), "weight row has ", w.size(1), " bytes, expected ", (K / QK) * block_bytes(fmt));
-  TORCH_CHECK(w.storage().nbytes() - w.storage_offset() >= static_cast<size_t>(w.numel() + 16),
-              "weight blocks need 16 spare bytes after the last row (use laserlm.models.quant.padded)");
+void check_weight(const torch::Tensor& w, int64_t fmt, int64_t K, int64_t N) {
+  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
+              "weight must be a contiguous uint8 [groups, group_bytes] tensor in the kernel layout");
+  TORCH_CHECK(K % QK == 0 && K > 0, "in_features must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(N > 0 && w.size(0) == n_groups(N), "weight has ", w.size(0), " groups of 16 rows, expected ", n_groups(N),
+              " for ", N, " rows");
+  TORCH_CHECK(w.size(1) == (K / QK) * region_bytes(fmt), "weight group has ", w.size(1), " bytes, expected ",
+              (K / QK) * region_bytes(fmt));
 }
 
 }  // namespace
 
-// y [T, N] = x [T, K] @ dequant(w).T   (x float32; weights read once for all T rows)
-torch::Tensor qmatmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K) {
-  check_weight(w, fmt, K);
+// y [T, N] = x [T, K] @ dequant(w).T   (x float32; w [ceil(N / 16), K / 32 * 16 * block_bytes] in the kernel layout)
+torch::Tensor qmatmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t N) {
+  check_weight(w, fmt, K, N);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [T, ", K, "]");
   x = x.contiguous();
-  const int64_t T = x.size(0), N = w.size(0);
+  const int64_t T = x.size(0);
   auto y = torch::empty({T, N}, torch::kFloat32);
-  matmul_blocks(x.data_ptr<float>(), T, K, w.data_ptr<uint8_t>(), N, fmt, y.data_ptr<float>(), N);
+  if (T > 0) matmul_blocks(x.data_ptr<float>(), T, K, w.data_ptr<uint8_t>(), N, fmt, y.data_ptr<float>(), N);
   return y;
 }
 
-// [len(rows), K] = dequant(w)[rows]  (rows int64; all rows when `rows` is empty), float32, or bfloat16 (each float32
+// [len(rows), K] = dequant(w)[rows]  (rows int64; all N rows when `rows` is empty), float32, or bfloat16 (each float32
 // value d * q + m rounded to nearest even: the operand of a bfloat16 GEMM, half the bytes written)
 template <typename Out>
-void dequantize_rows(const uint8_t* wp, int64_t N, int64_t rb, int64_t fmt, int64_t K, const int64_t* ip, int64_t R,
-                     Out* op) {
-  const int64_t nb = K / QK, qb = quant_bytes(fmt);
+void dequantize_rows(const uint8_t* wp, int64_t N, int64_t fmt, int64_t K, const int64_t* ip, int64_t R, Out* op) {
+  const int64_t nb = K / QK, rb = region_bytes(fmt), gbytes = nb * rb, qb = quant_bytes(fmt);
   at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t n = ip ? ip[r] : r;
       TORCH_CHECK(n >= 0 && n < N, "row index ", n, " out of range [0, ", N, ")");
-      const uint8_t* row = wp + n * rb;
-      const uint16_t* dh = reinterpret_cast<const uint16_t*>(row + nb * qb);
+      const uint8_t* gw = wp + (n / GR) * gbytes;
+      const int c = static_cast<int>(n % GR);
       Out* o = op + r * K;
       for (int64_t b = 0; b < nb; ++b, o += QK) {
-        const float d = fp16_to_fp32(dh[b]);
+        const uint8_t* reg = gw + b * rb;
+        const uint16_t* dh = reinterpret_cast<const uint16_t*>(reg + qb);
+        const float d = fp16_to_fp32(dh[c]);
         if (fmt == Q8_0) {
-          const int8_t* q = reinterpret_cast<const int8_t*>(row + b * 32);
-          for (int j = 0; j < QK; ++j) o[j] = static_cast<Out>(d * q[j]);
+          for (int k = 0; k < QK; ++k)
+            o[k] = static_cast<Out>(d * static_cast<int8_t>(reg[(k / 4) * 64 + c * 4 + (k % 4)]));
         } else {
-          const float m = fp16_to_fp32(dh[nb + b]);
-          const uint8_t* qs = row + b * 16;
-          for (int j = 0; j < 16; ++j) {
-            o[j] = static_cast<Out>(d * (qs[j] & 0x0F) + m);
-            o[j + 16] = static_cast<Out>(d * (qs[j] >> 4) + m);
-          }
+          const float m = fp16_to_fp32(dh[GR + c]);
+          for (int h = 0; h < 4; ++h)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = reg[h * 64 + c * 4 + j];
+              o[8 * h + j] = static_cast<Out>(d * (byte & 0x0F) + m);
+              o[8 * h + 4 + j] = static_cast<Out>(d * (byte >> 4) + m);
+            }
         }
       }
     }
   });
 }
 
-torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, torch::Tensor rows, bool bf16) {
-  check_weight(w, fmt, K);
+torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, int64_t N, torch::Tensor rows, bool bf16) {
+  check_weight(w, fmt, K, N);
   const bool all = rows.numel() == 0;
-  const int64_t R = all ? w.size(0) : rows.numel();
+  const int64_t R = all ? N : rows.numel();
   auto idx = all ? rows : rows.to(torch::kInt64).contiguous();
   const int64_t* ip = all ? nullptr : idx.data_ptr<int64_t>();
   auto out = torch::empty({R, K}, bf16 ? torch::kBFloat16 : torch::kFloat32);
   if (bf16)
-    dequantize_rows(w.data_ptr<uint8_t>(), w.size(0), w.size(1), fmt, K, ip, R, out.data_ptr<at::BFloat16>());
+    dequantize_rows(w.data_ptr<uint8_t>(), N, fmt, K, ip, R, out.data_ptr<at::BFloat16>());
   else
-    dequantize_rows(w.data_ptr<uint8_t>(), w.size(0), w.size(1), fmt, K, ip, R, out.data_ptr<float>());
+    dequantize_rows(w.data_ptr<uint8_t>(), N, fmt, K, ip, R, out.data_ptr<float>());
   return out;
+}
+
+// the variant in use ("avx512", "avx2" or "scalar"); set_isa picks another one this CPU has (tests, A/B runs)
+std::string kernel_isa() { return isa_name(g_isa); }
+std::string best_isa() { return isa_name(detect_isa()); }
+void set_isa(std::string name) {
+  const int want = parse_isa(name);
+  TORCH_CHECK(want <= detect_isa(), "this CPU cannot run the ", name, " kernels (best: ", isa_name(detect_isa()), ")");
+  g_isa = want;
 }
 
 bool has_avx2() {
@@ -647,8 +308,9 @@ LayerSpec make_spec(std::vector<torch::Tensor> norms, double eps, std::vector<to
                     double scaling, int64_t window, int64_t act, int64_t inter) {
   TORCH_CHECK(norms.size() == 6 && mats.size() == 4 && fmts.size() == 4, "6 norms, 4 matrices and 4 formats expected");
   TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0 && hd > 0 && hd % 2 == 0, "bad head configuration");
-  const int64_t d = mats[0].size(1) / block_bytes(fmts[0]) * QK;
-  for (int i = 0; i < 4; ++i) check_weight(mats[i], fmts[i], i == 1 ? n_heads * hd : (i == 3 ? inter : d));
+  const int64_t d = mats[0].size(1) / region_bytes(fmts[0]) * QK;
+  const int64_t outs[4] = {(n_heads + 2 * n_kv) * hd, d, 2 * inter, d};
+  for (int i = 0; i < 4; ++i) check_weight(mats[i], fmts[i], i == 1 ? n_heads * hd : (i == 3 ? inter : d), outs[i]);
   for (auto& n : norms) TORCH_CHECK(n.numel() == 0 || (n.dtype() == torch::kFloat32 && n.is_contiguous()), "norm weights must be contiguous float32");
   return LayerSpec{norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter};
 }
@@ -880,8 +542,11 @@ class LayerStack {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qmatmul", &qmatmul, "y [T, N] = x [T, K] @ dequant(w).T");
-  m.def("dequantize", &dequantize, "float32 (or bfloat16) rows of a block matrix");
+  m.def("qmatmul", &qmatmul, "y [T, N] = x [T, K] @ dequant(w).T, w in the kernel layout");
+  m.def("dequantize", &dequantize, "float32 (or bfloat16) rows of a block matrix in the kernel layout");
+  m.def("kernel_isa", &kernel_isa, "the kernel variant in use: avx512, avx2 or scalar");
+  m.def("best_isa", &best_isa, "the best kernel variant this CPU runs");
+  m.def("set_isa", &set_isa, "use another kernel variant this CPU runs (tests, A/B runs)");
   m.def("decode_layer", &decode_layer, "one decoder layer over block matrices");
   m.def("has_avx2", &has_avx2, "built with AVX2 + FMA + F16C");
   pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())

@@ -1,0 +1,470 @@
+// laserlm's block-quantized matrix kernels (CPU): y = x @ W.T with W in blocks of 32 weights along K.
+// (quant.cpp binds them to torch and builds the whole-layer kernel on them.)
+//
+// Block formats (the semantics and sizes of GGUF's; GGUF Q4_0 becomes Q4_1 with m = -8 d, exactly):
+//   Q4_1  20 bytes per block: 32 x 4-bit q, fp16 d, fp16 m     w = d * q + m,  q in 0..15
+//   Q8_0  34 bytes per block: 32 x int8 q, fp16 d              w = d * q
+//
+// Kernel layout ("groups of 16 rows"): the N rows of W are taken 16 at a time (G = ceil(N / 16) groups; rows past N
+// are zero). Group g is one contiguous run of nb = K / 32 block regions; the region of block b holds the 16 rows'
+// block b, column-interleaved so that one 64-byte vector holds the same few weights of all 16 rows (one 32-bit lane
+// per row: lane c = row 16 g + c):
+//   Q4_1 region, 320 bytes: 4 chunks of 64 bytes, then 16 fp16 d, then 16 fp16 m.
+//        chunk h (weights 8h .. 8h + 7 of the block): byte j (0..3) of lane c = q[8h + j] | q[8h + 4 + j] << 4
+//   Q8_0 region, 544 bytes: 8 chunks of 64 bytes, then 16 fp16 d.
+//        chunk h (weights 4h .. 4h + 3): byte j of lane c = q[4h + j]
+// A matrix is a uint8 tensor [G, nb * 16 * block_bytes]. This is llama.cpp's idea of interleaved repacks
+// (block_q4_0x8 and its GEMV / GEMM split) taken to 16 rows: a vector multiply-add computes one partial dot product
+// per row, so a block's 16 dot products need no horizontal reduction, and each weight vector, unpacked once, serves
+// every activation row of the call.
+//
+// Activations are quantized per 32-block to int16 (d_x = max|x_b| / 32767, q_x = round(x / d_x); the scheme of
+// llama.cpp's Q8_0 / Q8_1 activation blocks with 16-bit values: the rounding error is 1/256 of int8 activations,
+// which matters on small models whose hidden states have large outlier channels). Each block dot product is then an
+// exact integer sum(q_w q_x), and every output is accumulated in float, block by block in order:
+//   acc = fma(float(sum_b q_w q_x), d_w * d_x, acc)        (Q4_1 also: acc = fma(m_w, sum_b x, acc))
+// so a row's result does not depend on how many rows share the call, on the tile that computed it, on the thread
+// split, or on the instruction set. Three variants compute the same integer sums, picked at run time:
+//   avx512: AVX512-VNNI (Zen 4 / Zen 5, Xeon Ice Lake and later): 16 rows per zmm, x = 256 hi + lo with lo in
+//           0..255 and hi in -128..127, two vpdpbusd per 4 weights (u8 x s8 -> int32: lo x q and q x hi for Q4_1;
+//           lo x q and (hi + 128) x q for Q8_0, whose excess 128 sum(q) per block is subtracted);
+//   avx2:   8 rows per ymm, vpmaddwd on int16 pairs (vpdpwssd where the CPU has AVX-VNNI);
+//   scalar: plain C++ (CPUs without AVX2; also the tests' independent reference for the other two).
+#pragma once
+#ifdef LASERLM_STANDALONE  // benchmarks/kernels: the kernels without torch (a serial parallel_for)
+#include "standalone.h"
+#else
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#endif
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LASERLM_AVX2 1
+#else
+#define LASERLM_AVX2 0
+#endif
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define LASERLM_X86 1
+#define LASERLM_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define LASERLM_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define LASERLM_X86 0
+#endif
+
+namespace {
+
+constexpr int QK = 32;
+constexpr int GR = 16;  // rows per group
+enum Fmt : int64_t { Q4_1 = 3, Q8_0 = 8 };  // GGML type ids of the semantics
+
+inline int block_bytes(int64_t fmt) {
+  switch (fmt) {
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+  }
+  TORCH_CHECK(false, "laserlm kernels: unsupported block format ", fmt);
+}
+inline int64_t region_bytes(int64_t fmt) { return GR * block_bytes(fmt); }
+inline int64_t quant_bytes(int64_t fmt) { return fmt == Q8_0 ? 512 : 256; }  // per region, before the scales
+inline int64_t n_groups(int64_t N) { return (N + GR - 1) / GR; }
+
+inline float fp16_to_fp32(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+// ---- instruction set ----------------------------------------------------------------------------------------------
+enum Isa : int { SCALAR = 0, AVX2 = 1, AVX512 = 2 };
+const char* isa_name(int i) { return i == AVX512 ? "avx512" : i == AVX2 ? "avx2" : "scalar"; }
+
+int detect_isa() {
+#if LASERLM_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return AVX512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return AVX2;
+#endif
+  return SCALAR;
+}
+
+int parse_isa(const std::string& s) {
+  if (s == "avx512") return AVX512;
+  if (s == "avx2") return AVX2;
+  if (s == "scalar") return SCALAR;
+  TORCH_CHECK(false, "unknown kernel variant '", s, "'; expected avx512, avx2 or scalar");
+}
+
+// the best variant of this CPU, or the one LASERLM_KERNEL_ISA names (never one the CPU lacks)
+int initial_isa() {
+  const int best = detect_isa();
+  const char* env = std::getenv("LASERLM_KERNEL_ISA");
+  if (env == nullptr || *env == 0) return best;
+  return std::min(best, parse_isa(env));
+}
+int g_isa = initial_isa();
+
+// ---- activations --------------------------------------------------------------------------------------------------
+// x [T, K] float32 -> per 32-block scale d [T, nb] and float sum s [T, nb], and the int16 values in the variant's form:
+//   avx512: lo [T, K] uint8 (q & 255) and hi [T, K] (q >> 8: int8 for Q4_1, uint8 hi + 128 for Q8_0), natural order;
+//   avx2 / scalar: q16 [T, K] int16, each run of 4 values in the order (0, 2, 1, 3) (the pairs the avx2 kernel
+//   unpacks from one 32-bit lane of weights: (q0, q2) and (q1, q3)).
+struct Acts {
+  int64_t T = 0, K = 0, nb = 0;
+  std::vector<uint8_t> lo, hi;
+  std::vector<int16_t> q16;
+  std::vector<float> d, s;
+};
+
+void quantize_acts(const float* x, int64_t T, int64_t K, int64_t fmt, int isa, Acts& a) {
+  const int64_t nb = K / QK;
+  a.T = T;
+  a.K = K;
+  a.nb = nb;
+  a.d.resize(T * nb);
+  a.s.resize(T * nb);
+  const bool bytes = isa == AVX512;
+  if (bytes) {
+    a.lo.resize(T * K);
+    a.hi.resize(T * K);
+  } else {
+    a.q16.resize(T * K);
+  }
+  const uint8_t hi_bias = fmt == Q8_0 ? 0x80 : 0;
+  at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t i = b0; i < b1; ++i) {
+      const float* xb = x + i * QK;  // row t = i / nb, block b = i % nb: x is [T, K] with K = nb * 32
+      float amax = 0.f, sum = 0.f;
+      for (int j = 0; j < QK; ++j) {
+        amax = std::max(amax, std::fabs(xb[j]));
+        sum += xb[j];
+      }
+      const float dd = amax / 32767.f;
+      const float id = dd != 0.f ? 1.f / dd : 0.f;
+      a.d[i] = dd;
+      a.s[i] = sum;
+      for (int j = 0; j < QK; ++j) {
+        const int q = static_cast<int>(std::nearbyint(xb[j] * id));
+        if (bytes) {
+          a.lo[i * QK + j] = static_cast<uint8_t>(q & 0xFF);
+          a.hi[i * QK + j] = static_cast<uint8_t>(static_cast<uint8_t>((q >> 8) & 0xFF) ^ hi_bias);
+        } else {
+          static constexpr int slot[4] = {0, 2, 1, 3};
+          a.q16[i * QK + (j & ~3) + slot[j & 3]] = static_cast<int16_t>(q);
+        }
+      }
+    }
+  });
+}
+
+// ---- scalar variant -----------------------------------------------------------------------------------------------
+// One group, rows [0, TN) of the activations given: out [TN, 16] (row stride ldo).
+void group_scalar(int64_t fmt, const uint8_t* gw, int64_t nb, const Acts& a, int64_t t0, int64_t TN, float* out,
+                  int64_t ldo) {
+  const int64_t rbytes = region_bytes(fmt), qb = quant_bytes(fmt);
+  for (int64_t t = 0; t < TN; ++t) {
+    const int16_t* xq = a.q16.data() + (t0 + t) * a.K;
+    const float* xd = a.d.data() + (t0 + t) * nb;
+    const float* xs = a.s.data() + (t0 + t) * nb;
+    for (int c = 0; c < GR; ++c) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* r = gw + b * rbytes;
+        const int16_t* xb = xq + b * QK;
+        int32_t isum = 0;
+        for (int k = 0; k < QK; ++k) {
+          int w;
+          if (fmt == Q4_1) {
+            const uint8_t byte = r[(k / 8) * 64 + c * 4 + (k % 4)];
+            w = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            w = static_cast<int8_t>(r[(k / 4) * 64 + c * 4 + (k % 4)]);
+          }
+          static constexpr int slot[4] = {0, 2, 1, 3};
+          isum += w * xb[(k & ~3) + slot[k & 3]];
+        }
+        const uint16_t* dh = reinterpret_cast<const uint16_t*>(r + qb);
+        acc = std::fma(static_cast<float>(isum), fp16_to_fp32(dh[c]) * xd[b], acc);
+        if (fmt == Q4_1) acc = std::fma(fp16_to_fp32(dh[GR + c]), xs[b], acc);
+      }
+      out[t * ldo + c] = acc;
+    }
+  }
+}
+
+#if LASERLM_X86
+// ---- avx2 variant: a tile of TN activation rows x CU units of 8 rows of W ------------------------------------------
+// unit u: group g(u) = first group + u / 2, half (u % 2): the 32 bytes of each chunk holding lanes 8 half .. +7.
+LASERLM_TARGET_AVX2 inline __m256i madd_add2(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+template <int FMT, int TN, int CU>
+LASERLM_TARGET_AVX2 void tile_avx2(const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0,
+                                   float* out, int64_t ldo) {
+  constexpr int64_t RB = FMT == Q4_1 ? 320 : 544, QB = FMT == Q4_1 ? 256 : 512;
+  __m256 facc[TN][CU];
+  for (int t = 0; t < TN; ++t)
+    for (int u = 0; u < CU; ++u) facc[t][u] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi32(0x000F000F);
+  const int16_t* xq = a.q16.data() + t0 * a.K;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[TN][CU];
+    for (int t = 0; t < TN; ++t)
+      for (int u = 0; u < CU; ++u) acc[t][u] = _mm256_setzero_si256();
+    const uint8_t* reg[CU];
+    for (int u = 0; u < CU; ++u) reg[u] = gw + (u / 2) * gbytes + b * RB + (u % 2) * 32;
+    if (FMT == Q4_1) {
+      for (int h = 0; h < 4; ++h) {
+        for (int u = 0; u < CU; ++u) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[u] + h * 64));
+          const __m256i w02 = _mm256_and_si256(v, m4);  // (q0, q2) of each lane as int16, then (q1, q3), ...
+          const __m256i w13 = _mm256_and_si256(_mm256_srli_epi32(v, 8), m4);
+          const __m256i w46 = _mm256_and_si256(_mm256_srli_epi32(v, 4), m4);
+          const __m256i w57 = _mm256_and_si256(_mm256_srli_epi32(v, 12), m4);
+          for (int t = 0; t < TN; ++t) {
+            const int32_t* p = reinterpret_cast<const int32_t*>(xq + t * a.K + b * QK + h * 8);
+            acc[t][u] = madd_add2(acc[t][u], w02, _mm256_set1_epi32(p[0]));
+            acc[t][u] = madd_add2(acc[t][u], w13, _mm256_set1_epi32(p[1]));
+            acc[t][u] = madd_add2(acc[t][u], w46, _mm256_set1_epi32(p[2]));
+            acc[t][u] = madd_add2(acc[t][u], w57, _mm256_set1_epi32(p[3]));
+          }
+        }
+      }
+    } else {
+      for (int h = 0; h < 8; ++h) {
+        for (int u = 0; u < CU; ++u) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[u] + h * 64));
+          const __m256i w02 = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);  // (q0, q2) of each lane, int16
+          const __m256i w13 = _mm256_srai_epi16(v, 8);                         // (q1, q3)
+          for (int t = 0; t < TN; ++t) {
+            const int32_t* p = reinterpret_cast<const int32_t*>(xq + t * a.K + b * QK + h * 4);
+            acc[t][u] = madd_add2(acc[t][u], w02, _mm256_set1_epi32(p[0]));
+            acc[t][u] = madd_add2(acc[t][u], w13, _mm256_set1_epi32(p[1]));
+          }
+        }
+      }
+    }
+    for (int u = 0; u < CU; ++u) {
+      const int half = u % 2;
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[u] - half * 32 + QB + half * 16)));
+      __m256 mw = _mm256_setzero_ps();
+      if (FMT == Q4_1)
+        mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[u] - half * 32 + QB + 32 + half * 16)));
+      for (int t = 0; t < TN; ++t) {
+        const int64_t i = (t0 + t) * nb + b;
+        const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i]));
+        facc[t][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][u]), sc, facc[t][u]);
+        if (FMT == Q4_1) facc[t][u] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), facc[t][u]);
+      }
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    for (int u = 0; u < CU; ++u) _mm256_storeu_ps(out + t * ldo + u * 8, facc[t][u]);
+}
+
+// ---- avx512 variant: a tile of TN activation rows x CG groups ------------------------------------------------------
+template <int FMT, int TN, int CG>
+LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0,
+                                       float* out, int64_t ldo) {
+  constexpr int64_t RB = FMT == Q4_1 ? 320 : 544, QB = FMT == Q4_1 ? 256 : 512;
+  __m512 facc[TN][CG];
+  for (int t = 0; t < TN; ++t)
+    for (int c = 0; c < CG; ++c) facc[t][c] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const uint8_t* xl = a.lo.data() + t0 * a.K;
+  const uint8_t* xh = a.hi.data() + t0 * a.K;
+  for (int64_t b = 0; b < nb; ++b) {
+    // two accumulators per product (even and odd 4-weight steps): independent chains of vpdpbusd
+    __m512i al[TN][CG], ah[TN][CG], al2[TN][CG], ah2[TN][CG];
+    __m512i ws[CG];  // Q8_0: the block's weight sums
+    for (int t = 0; t < TN; ++t)
+      for (int c = 0; c < CG; ++c) al[t][c] = ah[t][c] = al2[t][c] = ah2[t][c] = _mm512_setzero_si512();
+    for (int c = 0; c < CG; ++c) ws[c] = _mm512_setzero_si512();
+    const uint8_t* reg[CG];
+    for (int c = 0; c < CG; ++c) reg[c] = gw + c * gbytes + b * RB;
+    if (FMT == Q4_1) {
+      for (int h = 0; h < 4; ++h) {
+        __m512i wl[CG], wh[CG];  // weights 8h .. 8h + 3 and 8h + 4 .. 8h + 7 of the block, one byte each
+        for (int c = 0; c < CG; ++c) {
+          const __m512i v = _mm512_loadu_si512(reg[c] + h * 64);
+          wl[c] = _mm512_and_si512(v, m4);
+          wh[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        }
+        for (int t = 0; t < TN; ++t) {
+          const int64_t o = t * a.K + b * QK + h * 8;
+          int32_t l0, l1, h0, h1;
+          std::memcpy(&l0, xl + o, 4);
+          std::memcpy(&l1, xl + o + 4, 4);
+          std::memcpy(&h0, xh + o, 4);
+          std::memcpy(&h1, xh + o + 4, 4);
+          const __m512i bl0 = _mm512_set1_epi32(l0), bl1 = _mm512_set1_epi32(l1);
+          const __m512i bh0 = _mm512_set1_epi32(h0), bh1 = _mm512_set1_epi32(h1);
+          for (int c = 0; c < CG; ++c) {
+            al[t][c] = _mm512_dpbusd_epi32(al[t][c], bl0, wl[c]);  // lo (u8) x w (0..15 as s8)
+            al2[t][c] = _mm512_dpbusd_epi32(al2[t][c], bl1, wh[c]);
+            ah[t][c] = _mm512_dpbusd_epi32(ah[t][c], wl[c], bh0);  // w (u8) x hi (s8)
+            ah2[t][c] = _mm512_dpbusd_epi32(ah2[t][c], wh[c], bh1);
+          }
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int h = 0; h < 8; ++h) {
+        __m512i wv[CG];  // weights 4h .. 4h + 3 of the block, int8
+        for (int c = 0; c < CG; ++c) {
+          wv[c] = _mm512_loadu_si512(reg[c] + h * 64);
+          ws[c] = _mm512_dpbusd_epi32(ws[c], ones, wv[c]);
+        }
+        for (int t = 0; t < TN; ++t) {
+          const int64_t o = t * a.K + b * QK + h * 4;
+          int32_t l0, h0;
+          std::memcpy(&l0, xl + o, 4);
+          std::memcpy(&h0, xh + o, 4);
+          const __m512i bl0 = _mm512_set1_epi32(l0), bh0 = _mm512_set1_epi32(h0);
+          for (int c = 0; c < CG; ++c) {
+            if (h % 2 == 0) {
+              al[t][c] = _mm512_dpbusd_epi32(al[t][c], bl0, wv[c]);  // lo (u8) x w (s8)
+              ah[t][c] = _mm512_dpbusd_epi32(ah[t][c], bh0, wv[c]);  // (hi + 128) (u8) x w (s8)
+            } else {
+              al2[t][c] = _mm512_dpbusd_epi32(al2[t][c], bl0, wv[c]);
+              ah2[t][c] = _mm512_dpbusd_epi32(ah2[t][c], bh0, wv[c]);
+            }
+          }
+        }
+      }
+    }
+    for (int c = 0; c < CG; ++c) {
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + QB)));
+      __m512 mw = _mm512_setzero_ps();
+      if (FMT == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + QB + 32)));
+      for (int t = 0; t < TN; ++t) {
+        const int64_t i = (t0 + t) * nb + b;
+        __m512i hi = _mm512_add_epi32(ah[t][c], ah2[t][c]);
+        if (FMT == Q8_0) hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(ws[c], 7));  // what hi + 128 added
+        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), _mm512_add_epi32(al[t][c], al2[t][c]));
+        const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
+        facc[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, facc[t][c]);
+        if (FMT == Q4_1) facc[t][c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), facc[t][c]);
+      }
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    for (int c = 0; c < CG; ++c) _mm512_storeu_ps(out + t * ldo + c * 16, facc[t][c]);
+}
+#endif  // LASERLM_X86
+
+#if LASERLM_AVX2
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+#endif
+
+#ifndef LASERLM_L1
+#define LASERLM_L1 24576
+#endif
+constexpr int64_t L1_BUDGET = LASERLM_L1;
+#ifndef LASERLM_TN
+#define LASERLM_TN 2
+#endif
+#ifndef LASERLM_CG
+#define LASERLM_CG 2
+#endif
+// ---- driver -------------------------------------------------------------------------------------------------------
+// One tile: TN rows (from t0) x CG groups (from group g), written to out [TN, CG * 16] (row stride ldo).
+template <int FMT, int TN, int CG>
+void run_tile(int isa, const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0, float* out,
+              int64_t ldo) {
+#if LASERLM_X86
+  if (isa == AVX512) return tile_avx512<FMT, TN, CG>(gw, gbytes, nb, a, t0, out, ldo);
+  if (isa == AVX2) return tile_avx2<FMT, TN, 2 * CG>(gw, gbytes, nb, a, t0, out, ldo);
+#endif
+  for (int c = 0; c < CG; ++c) group_scalar(FMT, gw + c * gbytes, nb, a, t0, TN, out + c * GR, ldo);
+}
+
+// Rows [t0, t0 + TN) over groups [g0, g1): CG groups per tile where they fit, then one at a time. Columns past N (the
+// last group's padding rows) go through a scratch tile.
+template <int FMT, int TN, int CG>
+void run_rows_cg(int isa, const uint8_t* w, int64_t gbytes, int64_t nb, int64_t N, const Acts& a, int64_t t0,
+                 int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  float scratch[TN * GR];
+  int64_t g = g0;
+  for (; g + CG <= g1 && (g + CG) * GR <= N; g += CG)
+    run_tile<FMT, TN, CG>(isa, w + g * gbytes, gbytes, nb, a, t0, y + t0 * ldy + g * GR, ldy);
+  for (; g < g1; ++g) {
+    if ((g + 1) * GR <= N) {
+      run_tile<FMT, TN, 1>(isa, w + g * gbytes, gbytes, nb, a, t0, y + t0 * ldy + g * GR, ldy);
+    } else {
+      run_tile<FMT, TN, 1>(isa, w + g * gbytes, gbytes, nb, a, t0, scratch, GR);
+      for (int t = 0; t < TN; ++t)
+        for (int64_t c = 0; c < N - g * GR; ++c) y[(t0 + t) * ldy + g * GR + c] = scratch[t * GR + c];
+    }
+  }
+}
+
+// groups per tile: avx512 has 32 vector registers (accumulators of 4 groups for one row, 2 for more rows); avx2 has 16
+// (2 groups = 4 units of 8 rows for one activation row, 1 group for more)
+template <int FMT, int TN>
+void run_rows(int isa, const uint8_t* w, int64_t gbytes, int64_t nb, int64_t N, const Acts& a, int64_t t0, int64_t g0,
+              int64_t g1, float* y, int64_t ldy) {
+  if (isa == AVX2) return run_rows_cg<FMT, TN, (TN == 1 ? 2 : 1)>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+  return run_rows_cg<FMT, TN, (TN == 1 ? 4 : LASERLM_CG)>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+}
+
+// y [T, N] (row stride ldy) = x [T, K] @ W.T, W in the kernel layout. Threads split the groups (output columns); each
+// takes its groups a few at a time and runs every tile of activation rows over them while they are in cache.
+void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t fmt, float* y,
+                   int64_t ldy) {
+  const int isa = g_isa;
+  const int64_t nb = K / QK, gbytes = nb * region_bytes(fmt), G = n_groups(N);
+  Acts a;
+  quantize_acts(x, T, K, fmt, isa, a);
+  const int64_t grain = std::max<int64_t>(4, 256 / std::max<int64_t>(nb, 1));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    // groups per pass over the rows: as many as keep their weights within L1_BUDGET bytes (an even count, the tiles'
+    // two groups), so that every tile of rows after the first reads them from L1
+    const int64_t GT = T <= 2 ? 4 : std::max<int64_t>(2, L1_BUDGET / gbytes / 2 * 2);
+    for (int64_t gs = g0; gs < g1; gs += GT) {
+      const int64_t ge = std::min(g1, gs + GT);
+      int64_t t = 0;
+      for (; t + LASERLM_TN <= T; t += LASERLM_TN) {
+        if (fmt == Q4_1) run_rows<Q4_1, LASERLM_TN>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+        else run_rows<Q8_0, LASERLM_TN>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+      }
+      const int64_t rest = T - t;
+      if (fmt == Q4_1) {
+        if (rest == 3) run_rows<Q4_1, 3>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+        else if (rest == 2) run_rows<Q4_1, 2>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+        else if (rest == 1) run_rows<Q4_1, 1>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+      } else {
+        if (rest == 3) run_rows<Q8_0, 3>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+        else if (rest == 2) run_rows<Q8_0, 2>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+        else if (rest == 1) run_rows<Q8_0, 1>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+      }
+    }
+  });
+}
+
+}  // namespace
