@@ -42,16 +42,16 @@ def main() -> None:
         eng.reset()
         with torch.inference_mode():
             eng.forward(ctx)
-            times = {}
-            for t in widths:
-                toks = torch.randint(0, 1000, (1, t))
-                samples = []
-                for _ in range(a.reps + 3):
+            samples = {t: [] for t in widths}
+            toks = {t: torch.randint(0, 1000, (1, t)) for t in widths}
+            for rep in range(a.reps + 3):  # widths interleaved, so that a slow stretch of the machine hits all alike
+                for t in widths:
                     eng.truncate(a.context)
                     t0 = time.perf_counter()
-                    eng.forward(toks, logits="all")
-                    samples.append(time.perf_counter() - t0)
-                times[t] = statistics.median(samples[3:])
+                    eng.forward(toks[t], logits="all")
+                    if rep >= 3:
+                        samples[t].append(time.perf_counter() - t0)
+            times = {t: statistics.median(v) for t, v in samples.items()}
         base = times[widths[0]]
         out["rows"][w] = times
         cells = [f"{base * 1e3:.2f}"] + [f"{times[t] / base:.2f}x" for t in widths[1:]]

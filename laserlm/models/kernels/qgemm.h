@@ -128,6 +128,42 @@ struct Acts {
   std::vector<float> d, s;
 };
 
+// Sum of a block's 32 values in a fixed order that vector code reproduces exactly: p[l] = x[l] + x[l + 16] for 16
+// lanes, then lanes l and l + w added for w = 8, 4, 2, 1.
+inline float block_sum(const float* x) {
+  float p[16];
+  for (int l = 0; l < 16; ++l) p[l] = x[l] + x[l + 16];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) p[l] = p[l] + p[l + w];
+  return p[0];
+}
+
+#if LASERLM_X86
+// The avx512 form of one block of quantize_acts (the same d, sum and bytes).
+LASERLM_TARGET_AVX512 inline void quantize_block_avx512(const float* xb, uint8_t hi_bias, float* d, float* s,
+                                                        uint8_t* lo, uint8_t* hi) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const __m512 p = _mm512_add_ps(x0, x1);
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(p), _mm512_extractf32x8_ps(p, 1));
+  __m128 q4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q4 = _mm_add_ps(q4, _mm_movehl_ps(q4, q4));
+  q4 = _mm_add_ss(q4, _mm_shuffle_ps(q4, q4, 1));
+  const float dd = amax / 32767.f;
+  const float id = dd != 0.f ? 1.f / dd : 0.f;
+  *d = dd;
+  *s = _mm_cvtss_f32(q4);
+  const __m512 vid = _mm512_set1_ps(id);
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(q1));
+  const __m128i bias = _mm_set1_epi8(static_cast<char>(hi_bias));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(q0, 8)), bias));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + 16),
+                   _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(q1, 8)), bias));
+}
+#endif
+
 void quantize_acts(const float* x, int64_t T, int64_t K, int64_t fmt, int isa, Acts& a) {
   const int64_t nb = K / QK;
   a.T = T;
@@ -146,15 +182,18 @@ void quantize_acts(const float* x, int64_t T, int64_t K, int64_t fmt, int isa, A
   at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
       const float* xb = x + i * QK;  // row t = i / nb, block b = i % nb: x is [T, K] with K = nb * 32
-      float amax = 0.f, sum = 0.f;
-      for (int j = 0; j < QK; ++j) {
-        amax = std::max(amax, std::fabs(xb[j]));
-        sum += xb[j];
+#if LASERLM_X86
+      if (bytes) {
+        quantize_block_avx512(xb, hi_bias, &a.d[i], &a.s[i], &a.lo[i * QK], &a.hi[i * QK]);
+        continue;
       }
+#endif
+      float amax = 0.f;
+      for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float dd = amax / 32767.f;
       const float id = dd != 0.f ? 1.f / dd : 0.f;
       a.d[i] = dd;
-      a.s[i] = sum;
+      a.s[i] = block_sum(xb);
       for (int j = 0; j < QK; ++j) {
         const int q = static_cast<int>(std::nearbyint(xb[j] * id));
         if (bytes) {
@@ -294,8 +333,12 @@ LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_
   const uint8_t* xl = a.lo.data() + t0 * a.K;
   const uint8_t* xh = a.hi.data() + t0 * a.K;
   for (int64_t b = 0; b < nb; ++b) {
-    // two accumulators per product (even and odd 4-weight steps): independent chains of vpdpbusd
-    __m512i al[TN][CG], ah[TN][CG], al2[TN][CG], ah2[TN][CG];
+    // small tiles keep two accumulators per product (even and odd 4-weight steps): vpdpbusd needs about a dozen
+    // independent chains to issue two per cycle
+    constexpr bool SPLIT = TN * CG < 6;
+    __m512i al[TN][CG], ah[TN][CG], al2_[TN][CG], ah2_[TN][CG];
+    __m512i (&al2)[TN][CG] = SPLIT ? al2_ : al;
+    __m512i (&ah2)[TN][CG] = SPLIT ? ah2_ : ah;
     __m512i ws[CG];  // Q8_0: the block's weight sums
     for (int t = 0; t < TN; ++t)
       for (int c = 0; c < CG; ++c) al[t][c] = ah[t][c] = al2[t][c] = ah2[t][c] = _mm512_setzero_si512();
@@ -359,9 +402,10 @@ LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_
       if (FMT == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + QB + 32)));
       for (int t = 0; t < TN; ++t) {
         const int64_t i = (t0 + t) * nb + b;
-        __m512i hi = _mm512_add_epi32(ah[t][c], ah2[t][c]);
+        __m512i hi = SPLIT ? _mm512_add_epi32(ah[t][c], ah2[t][c]) : ah[t][c];
         if (FMT == Q8_0) hi = _mm512_sub_epi32(hi, _mm512_slli_epi32(ws[c], 7));  // what hi + 128 added
-        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), _mm512_add_epi32(al[t][c], al2[t][c]));
+        const __m512i lo = SPLIT ? _mm512_add_epi32(al[t][c], al2[t][c]) : al[t][c];
+        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo);
         const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
         facc[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, facc[t][c]);
         if (FMT == Q4_1) facc[t][c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), facc[t][c]);
@@ -382,16 +426,8 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-#ifndef LASERLM_L1
-#define LASERLM_L1 24576
-#endif
-constexpr int64_t L1_BUDGET = LASERLM_L1;
-#ifndef LASERLM_TN
-#define LASERLM_TN 2
-#endif
-#ifndef LASERLM_CG
-#define LASERLM_CG 2
-#endif
+constexpr int64_t L1_BUDGET = 24576;  // bytes of weights a pass over many rows keeps in L1
+
 // ---- driver -------------------------------------------------------------------------------------------------------
 // One tile: TN rows (from t0) x CG groups (from group g), written to out [TN, CG * 16] (row stride ldo).
 template <int FMT, int TN, int CG>
@@ -424,45 +460,76 @@ void run_rows_cg(int isa, const uint8_t* w, int64_t gbytes, int64_t nb, int64_t 
   }
 }
 
-// groups per tile: avx512 has 32 vector registers (accumulators of 4 groups for one row, 2 for more rows); avx2 has 16
-// (2 groups = 4 units of 8 rows for one activation row, 1 group for more)
-template <int FMT, int TN>
+// Register tiles (activation rows x groups). A pass that streams the weights from memory takes one group at a time
+// (one sequential read stream: measured on Zen 5, tiles of 2-4 groups read 20-60 % slower from DRAM); passes over
+// spans already in L1 take two groups per tile when the rows are few, so that each broadcast activation serves two
+// vpdpbusd and the tile has about a dozen independent accumulator chains (8 chains issue 5.5 vpdpbusd per ns, 12
+// chains 7.2). The accumulators must fit the vector registers (32 for avx512, 16 for avx2).
+template <int FMT, int TN, bool CACHED>
 void run_rows(int isa, const uint8_t* w, int64_t gbytes, int64_t nb, int64_t N, const Acts& a, int64_t t0, int64_t g0,
               int64_t g1, float* y, int64_t ldy) {
-  if (isa == AVX2) return run_rows_cg<FMT, TN, (TN == 1 ? 2 : 1)>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
-  return run_rows_cg<FMT, TN, (TN == 1 ? 4 : LASERLM_CG)>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+  constexpr int CG = CACHED && TN == 2 ? 2 : 1;
+  run_rows_cg<FMT, TN, CG>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+}
+
+template <int FMT, bool CACHED>
+void run_rows_n(int isa, int64_t tn, const uint8_t* w, int64_t gbytes, int64_t nb, int64_t N, const Acts& a,
+                int64_t t0, int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  switch (tn) {
+    case 1: return run_rows<FMT, 1, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+    case 2: return run_rows<FMT, 2, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+    case 3: return run_rows<FMT, 3, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+    case 4: return run_rows<FMT, 4, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+    case 5: return run_rows<FMT, 5, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+    case 6: return run_rows<FMT, 6, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+    case 7: return run_rows<FMT, 7, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+    case 8: return run_rows<FMT, 8, CACHED>(isa, w, gbytes, nb, N, a, t0, g0, g1, y, ldy);
+  }
+  TORCH_CHECK(false, "no row tile of ", tn, " rows");
+}
+
+// How the rows of a call are taken: up to `single` rows run in one pass over the weights (every row in registers
+// while the weights stream from memory, so such a step costs about one weight read); more rows run in passes of
+// `pass` rows over spans of groups that stay in L1. Measured on Zen 5 (benchmarks/kernels): Q4_1 keeps 4 rows in one
+// pass and 2 per pass beyond (its unpacked weights take registers), Q8_0 keeps 8.
+struct RowPlan {
+  int single, pass;
+};
+RowPlan row_plan(int isa, int64_t fmt) {
+  if (isa == AVX512) return fmt == Q4_1 ? RowPlan{4, 2} : RowPlan{8, 8};
+  if (isa == AVX2) return RowPlan{2, 2};
+  return RowPlan{4, 4};
+}
+
+template <int FMT>
+void run_span(int isa, RowPlan plan, int64_t T, const uint8_t* w, int64_t gbytes, int64_t nb, int64_t N,
+              const Acts& a, int64_t gs, int64_t ge, float* y, int64_t ldy) {
+  if (T <= plan.single) return run_rows_n<FMT, false>(isa, T, w, gbytes, nb, N, a, 0, gs, ge, y, ldy);
+  run_rows_n<FMT, false>(isa, plan.pass, w, gbytes, nb, N, a, 0, gs, ge, y, ldy);  // streams the span into L1
+  int64_t t = plan.pass;
+  for (; t + plan.pass <= T; t += plan.pass)
+    run_rows_n<FMT, true>(isa, plan.pass, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
+  if (t < T) run_rows_n<FMT, true>(isa, T - t, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
 }
 
 // y [T, N] (row stride ldy) = x [T, K] @ W.T, W in the kernel layout. Threads split the groups (output columns); each
-// takes its groups a few at a time and runs every tile of activation rows over them while they are in cache.
+// takes its groups a span at a time and runs every tile of activation rows over the span while it is in cache.
 void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64_t N, int64_t fmt, float* y,
                    int64_t ldy) {
   const int isa = g_isa;
   const int64_t nb = K / QK, gbytes = nb * region_bytes(fmt), G = n_groups(N);
+  const RowPlan plan = row_plan(isa, fmt);
   Acts a;
   quantize_acts(x, T, K, fmt, isa, a);
   const int64_t grain = std::max<int64_t>(4, 256 / std::max<int64_t>(nb, 1));
   at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    // groups per pass over the rows: as many as keep their weights within L1_BUDGET bytes (an even count, the tiles'
-    // two groups), so that every tile of rows after the first reads them from L1
-    const int64_t GT = T <= 2 ? 4 : std::max<int64_t>(2, L1_BUDGET / gbytes / 2 * 2);
+    // groups per span: all of them for one pass; for several, as many as keep their weights within L1_BUDGET (an even
+    // count, for the tiles of two groups), so that every pass after the first reads them from L1
+    const int64_t GT = T <= plan.single ? g1 - g0 : std::max<int64_t>(2, L1_BUDGET / gbytes / 2 * 2);
     for (int64_t gs = g0; gs < g1; gs += GT) {
       const int64_t ge = std::min(g1, gs + GT);
-      int64_t t = 0;
-      for (; t + LASERLM_TN <= T; t += LASERLM_TN) {
-        if (fmt == Q4_1) run_rows<Q4_1, LASERLM_TN>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-        else run_rows<Q8_0, LASERLM_TN>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-      }
-      const int64_t rest = T - t;
-      if (fmt == Q4_1) {
-        if (rest == 3) run_rows<Q4_1, 3>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-        else if (rest == 2) run_rows<Q4_1, 2>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-        else if (rest == 1) run_rows<Q4_1, 1>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-      } else {
-        if (rest == 3) run_rows<Q8_0, 3>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-        else if (rest == 2) run_rows<Q8_0, 2>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-        else if (rest == 1) run_rows<Q8_0, 1>(isa, w, gbytes, nb, N, a, t, gs, ge, y, ldy);
-      }
+      if (fmt == Q4_1) run_span<Q4_1>(isa, plan, T, w, gbytes, nb, N, a, gs, ge, y, ldy);
+      else run_span<Q8_0>(isa, plan, T, w, gbytes, nb, N, a, gs, ge, y, ldy);
     }
   });
 }
