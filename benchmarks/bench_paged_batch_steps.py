@@ -19,7 +19,7 @@ from laserlm.runtime.kv_pool import KVPool, PagedBatch, PagedCache
 
 
 def step_times(engine, rows: int, prompt: int, steps: int) -> float:
-    pool = KVPool.for_engine(engine, "256MiB")
+    pool = KVPool.for_engine(engine, "1GiB")
     caches = [PagedCache(pool, prompt + 8 * r + steps + 4) for r in range(rows)]
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():

@@ -120,9 +120,10 @@ def test_plain_steps_observe_the_lookup_proposals_for_free():
     """A plain step whose lookup proposed a draft counts one trial of that key (a success iff the emitted token is
     the proposal's first): misses observed this way stop the drafts without paying a probe, hits bring them back,
     and a key not observed still relaxes towards its prior."""
-    from laserlm.speculative.drafts import PACKED_VERIFY_TABLE, table_cost
+    from laserlm.speculative.drafts import table_cost
 
-    cost = lambda m: table_cost(m + 1, PACKED_VERIFY_TABLE)  # noqa: E731
+    # a verify that costs 0.3 plain steps per extra row (the price is not what this tests)
+    cost = lambda m: table_cost(m + 1, {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9, 8: 3.1})  # noqa: E731
     pol = DraftPolicy(max_ngram=3)
     assert pol.best_length("ngram/1", 8, cost)[0] >= 1  # the prior alone drafts from a 1-token match
     pol.update("ngram/3", 3, 3)
@@ -255,21 +256,24 @@ def test_packed_weights_keep_the_verify_on_the_kernel(one_thread):
 
 
 def test_packed_weights_price_the_verify_with_their_own_cost_table(one_thread):
-    """Packed weights multiply many rows at about 0.4 plain steps per extra row (the kernel is compute-bound past
-    one row), not at the float32 log-curve's cost, so by default their lookup policy prices a verify with
-    ``PACKED_VERIFY_TABLE`` and drafts shorter; an explicit ``verify_cost`` keeps the log model, and float weights are
-    unchanged. Greedy output still equals full depth."""
+    """Packed weights multiply many rows at a cost per extra row that the float32 log-curve does not describe (about
+    one weight read up to 6-8 rows, compute-bound beyond), so by default their lookup policy prices a verify with the
+    measured table of the kernel variant in use, and drafts shorter where it is dearer than the log-curve; an explicit
+    ``verify_cost`` keeps the log model, and float weights are unchanged. Greedy output still equals full depth."""
+    from laserlm.models import kernels
     from laserlm.models.packing import pack_model
-    from laserlm.speculative.drafts import PACKED_VERIFY_TABLE
+    from laserlm.speculative.drafts import PACKED_VERIFY_TABLES
 
     model = tiny_model(vocab=64)
     float_engine = Engine(copy.deepcopy(model), max_seq_len=128)
     pack_model(model, "int8")
     engine = Engine(model, max_seq_len=128)
     mode = make_mode("speculative:draft=ngram", engine)
-    assert mode.verify_fit == {"measured": PACKED_VERIFY_TABLE, "source": "packed-weights prior"}
-    assert mode._verify_cost(16) == 7.5 and mode._verify_cost(7) == pytest.approx(3.75)
-    assert mode._verify_cost(16) > 2.5 * verify_cost(16)  # the float curve prices 16 rows at ~2.8 steps
+    table = PACKED_VERIFY_TABLES["avx512" if kernels.ops().kernel_isa() == "avx512" else "avx2"]
+    assert mode.verify_fit == {"measured": table, "source": "packed-weights prior"}
+    assert mode._verify_cost(16) == table[16]
+    assert mode._verify_cost(7) == pytest.approx((table[6] + table[8]) / 2)  # interpolated
+    assert mode._verify_cost(16) > 1.5 * verify_cost(16)  # the float curve prices 16 rows at ~2.8 steps
     assert mode.config()["verify_cost"] is None and mode.config()["verify_base"] is None  # priced by the table
     assert make_mode("speculative:draft=ngram,verify_cost=0.36", engine).verify_fit is None
     assert make_mode("speculative:draft=ngram", float_engine).verify_fit is None

@@ -86,13 +86,27 @@ DEFAULT_SUFFIX_TOKENS = 65536
 MAX_SUFFIX_TOKENS = 1 << 26
 DEFAULT_VERIFY_COST = 0.36
 DEFAULT_VERIFY_BASE = 0.34
-# The verify cost table used by default on packed weights (``Engine.fast_rows`` set; ``--weights native / int4 /
-# int8``): the compiled kernel multiplies int16 activations with int32 sums, which is compute-bound past one row, so a
-# ``w``-position verify costs about 0.4-0.5 plain steps per extra row, with a step from 4 to 5 rows (rows run in
-# groups of 4), not the float32 curve's ~2.8 at 16 rows. Medians of three ``fit_verify_cost`` runs (widths 1-16,
-# 7 repeats, 1 thread) of smollm2-135m and gemma3-270m native on an AMD EPYC Zen 4, 2026-12-04; the two models' curves
-# agree within the run-to-run spread. ``verify_cost=auto`` measures the curve of your engine and machine instead.
-PACKED_VERIFY_TABLE = {1: 1.0, 2: 1.3, 3: 1.6, 4: 2.0, 5: 2.8, 6: 3.3, 8: 4.2, 12: 6.2, 16: 7.5}
+# The verify cost tables used by default on packed weights (``Engine.fast_rows`` set; ``--weights native / int4 /
+# int8``): the cost of a ``w``-position step in plain steps, per variant of the block kernels (laserlm/models/kernels):
+# a step of up to 6 positions (Q4_1 matrices; 8 for Q8_0) costs about one read of the weights, longer ones are
+# compute-bound. Not the float32 log-curve, which prices 16 rows at ~2.8 steps. Means of smollm2-135m and
+# gemma3-270m native, medians of 3 interleaved runs of benchmarks/bench_step_tokens.py (1 thread) on an AMD EPYC
+# Zen 5, 2026-12-04; "avx2" is the AVX2 variant measured on that CPU (LASERLM_KERNEL_ISA=avx2), a proxy for AVX2-only
+# CPUs. ``verify_cost=auto`` measures the curve of your engine and machine instead.
+PACKED_VERIFY_TABLES = {
+    "avx512": {1: 1.0, 2: 1.09, 3: 1.19, 4: 1.34, 5: 1.54, 6: 1.8, 8: 2.5, 12: 3.9, 16: 4.65},
+    "avx2": {1: 1.0, 2: 1.11, 3: 1.32, 4: 1.66, 5: 2.9, 6: 3.07, 8: 3.75, 12: 5.1, 16: 6.4},
+}
+
+
+def packed_verify_table() -> dict:
+    """The verify cost table of the block-kernel variant this process runs (``avx512``, or ``avx2`` for the avx2 and
+    scalar variants); a copy."""
+    from ..models import kernels  # noqa: PLC0415
+
+    ops = kernels.ops()
+    isa = ops.kernel_isa() if ops is not None else "avx2"
+    return dict(PACKED_VERIFY_TABLES.get(isa, PACKED_VERIFY_TABLES["avx2"]))
 DEFAULT_PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
@@ -430,6 +444,6 @@ def check_loss_budget(value) -> float:
 
 __all__ = ["BUDGET_EPS", "DEFAULT_LOSS_BUDGET", "DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS",
            "DEFAULT_VERIFY_BASE", "DEFAULT_VERIFY_COST", "DraftPolicy", "LossBudget", "MAX_LOSS_BUDGET",
-           "MAX_NGRAM", "PACKED_VERIFY_TABLE", "NgramIndex", "SOURCES", "SuffixCache", "affordable",
+           "MAX_NGRAM", "PACKED_VERIFY_TABLES", "NgramIndex", "SOURCES", "SuffixCache", "affordable",
            "check_loss_budget", "check_ngram",
            "expected_tokens", "parse_draft", "table_cost", "verify_cost"]

@@ -86,9 +86,9 @@ from ..runtime.modes import FullDepth, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
 from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
-                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, PACKED_VERIFY_TABLE, DraftPolicy, LossBudget,
-                     NgramIndex, SuffixCache, affordable, check_loss_budget, check_ngram, parse_draft, table_cost,
-                     verify_cost)
+                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, DraftPolicy, LossBudget,
+                     NgramIndex, SuffixCache, affordable, check_loss_budget, check_ngram, packed_verify_table,
+                     parse_draft, table_cost, verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -682,7 +682,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     [,loss_budget=1|off]`` -> :class:`SpeculativeDecoding`.
 
     Without ``verify_cost`` / ``verify_base``, lookup drafts on packed weights (``Engine.fast_rows`` set:
-    ``native``, ``int4``, ``int8``) use the measured table :data:`~.drafts.PACKED_VERIFY_TABLE` (reported as
+    ``native``, ``int4``, ``int8``) use the measured table of the kernel variant, :func:`~.drafts.packed_verify_table` (reported as
     ``verify_fit`` with ``"source": "packed-weights prior"``; ``verify_cost`` / ``verify_base`` are then reported as
     ``None``); float weights and ``draft=layers`` alone use the log model with the defaults above. On packed
     weights ``verify_cost=auto`` measures only the widths up to ``fast_rows``.
@@ -759,14 +759,14 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
 
         # packed weights: only the widths the compiled kernel takes (a wider verify is never drafted there)
         verify_fit = (fit_verify_cost(engine) if engine.fast_rows is None else
-                      fit_verify_cost(engine, widths=tuple(w for w in PACKED_VERIFY_TABLE if w <= engine.fast_rows),
+                      fit_verify_cost(engine, widths=tuple(w for w in packed_verify_table() if w <= engine.fast_rows),
                                       repeats=5))
         kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
         draft_kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
     elif (o.verify_cost is None and o.verify_base is None and engine.fast_rows is not None
           and any(s in LOOKUP for s in sources)):
         # packed weights: the float32 log-curve underestimates a many-row verify by 2-3x (drafts too long)
-        verify_fit = {"measured": dict(PACKED_VERIFY_TABLE), "source": "packed-weights prior"}
+        verify_fit = {"measured": packed_verify_table(), "source": "packed-weights prior"}
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
     mode.verify_fit = verify_fit
     if auto:

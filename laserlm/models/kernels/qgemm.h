@@ -490,14 +490,14 @@ void run_rows_n(int isa, int64_t tn, const uint8_t* w, int64_t gbytes, int64_t n
 
 // How the rows of a call are taken: up to `single` rows run in one pass over the weights (every row in registers
 // while the weights stream from memory, so such a step costs about one weight read); more rows run in passes of
-// `pass` rows over spans of groups that stay in L1. Measured on Zen 5 (benchmarks/kernels): Q4_1 keeps 4 rows in one
+// `pass` rows over spans of groups that stay in L1. Measured on Zen 5 (benchmarks/kernels): Q4_1 keeps 6 rows in one
 // pass and 2 per pass beyond (its unpacked weights take registers), Q8_0 keeps 8.
 struct RowPlan {
   int single, pass;
 };
 RowPlan row_plan(int isa, int64_t fmt) {
-  if (isa == AVX512) return fmt == Q4_1 ? RowPlan{4, 2} : RowPlan{8, 8};
-  if (isa == AVX2) return RowPlan{2, 2};
+  if (isa == AVX512) return fmt == Q4_1 ? RowPlan{6, 2} : RowPlan{8, 8};
+  if (isa == AVX2) return RowPlan{4, 2};
   return RowPlan{4, 4};
 }
 

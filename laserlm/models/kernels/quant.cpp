@@ -254,6 +254,156 @@ void attend_row(const float* q, const KVRows& kv, int64_t lo, int64_t hi, int64_
     for (int64_t jj = lo; jj <= hi; ++jj) p_out[jj] = sc[jj] * inv;
 }
 
+#if defined(__AVX512F__)
+// e^x for 16 floats (the polynomial of exp256, 16 lanes wide).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.3762626647949f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(x, x), x), _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// Lane j of the result = the sum of the 16 lanes of v[j] (a fixed tree: lanes paired 2l, 2l + 1 at every level).
+inline __m512 sum16x16(__m512* v) {
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  for (int n = 8; n >= 1; n /= 2)
+    for (int i = 0; i < n; ++i)
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], ev, v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], od, v[2 * i + 1]));
+  return v[0];
+}
+
+constexpr int ATT_MAX_Q = 16;  // queries per call of attend_group
+
+// acc[r][c] += p[r] v[c] for RN queries over 64 output floats (4 vectors) of one key (p[r] == 0: nothing to add)
+template <int RN>
+inline void pv_key(__m512 (&acc)[4][4], const float* vj, const float* const* p, int64_t j) {
+  const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
+               v3 = _mm512_loadu_ps(vj + 48);
+  for (int r = 0; r < RN; ++r) {
+    const float pr = p[r][j];
+    if (pr == 0.f) continue;  // outside the query's range (or underflowed): adds nothing
+    const __m512 pv = _mm512_set1_ps(pr);
+    acc[r][0] = _mm512_fmadd_ps(pv, v0, acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(pv, v1, acc[r][1]);
+    acc[r][2] = _mm512_fmadd_ps(pv, v2, acc[r][2]);
+    acc[r][3] = _mm512_fmadd_ps(pv, v3, acc[r][3]);
+  }
+}
+
+// out[r][e0 .. e0 + 64) = inv[r] * sum_j p[r][j] v_j for RN queries, keys klo .. khi in order
+template <int RN>
+void pv_rows(const float* v, const int64_t* off, int64_t klo, int64_t khi, int64_t e0, const float* const* p,
+             const float* inv, float* const* out) {
+  __m512 acc[4][4];
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = klo; j <= khi; ++j) pv_key<RN>(acc, v + off[j - klo] + e0, p, j);
+  for (int r = 0; r < RN; ++r)
+    for (int c = 0; c < 4; ++c)
+      _mm512_storeu_ps(out[r] + e0 + c * 16, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+}
+
+// Attention of R <= ATT_MAX_Q queries that share one key/value head (the query heads of a GQA group at one or more
+// positions of one sequence). Query r: q[r] [HD], keys [lo[r], hi[r]] (hi = its position), result out[r] [HD] =
+// softmax(scale q . K) V, and (p_out[r] not null) its probabilities at p_out[r][lo .. hi].
+// Keys are scored 16 at a time in blocks aligned at absolute positions, the softmax sums lane by lane over those
+// blocks, and V is accumulated key after key, so a query's arithmetic does not depend on the other queries of the
+// call (keys outside its range add exact zeros): a row of a prompt chunk is computed as it would be alone. The keys
+// and values are read once per call for all R queries. sc: scratch of R * (16 * (blocks + 1)) floats; off: scratch of
+// (keys + 1) offsets.
+template <int HD>
+void attend_group(const float* const* q, const int64_t* lo, const int64_t* hi, int R, const KVRows& kv, float scale,
+                  float* sc, int64_t* off, float* const* out, float* const* p_out) {
+  constexpr int NC = HD / 16;
+  int64_t klo = lo[0], khi = hi[0];
+  for (int r = 1; r < R; ++r) {
+    klo = std::min(klo, lo[r]);
+    khi = std::max(khi, hi[r]);
+  }
+  for (int64_t j0 = klo; j0 <= khi;) {  // where each key is (one page-table lookup per run of contiguous keys)
+    const int64_t j1 = kv.run_end(j0, khi + 1), o = kv.offset(j0, HD);
+    for (int64_t j = j0; j < j1; ++j) off[j - klo] = o + (j - j0) * HD;
+    j0 = j1;
+  }
+  const int64_t b0 = klo / 16, b1 = khi / 16 + 1, width = (b1 - b0) * 16;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  // scores, block by block
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const float* kp[16];
+    for (int j = 0; j < 16; ++j) {
+      const int64_t pos = std::min(std::max(blk * 16 + j, klo), khi);  // clamped: lanes outside are masked below
+      kp[j] = kv.k + off[pos - klo];
+    }
+    for (int r = 0; r < R; ++r) {
+      float* s = sc + r * width + (blk - b0) * 16;
+      const __m512i rel = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(blk * 16 - lo[r])));
+      const __mmask16 valid = _mm512_cmp_epi32_mask(rel, _mm512_setzero_si512(), _MM_CMPINT_NLT) &
+                              _mm512_cmp_epi32_mask(rel, _mm512_set1_epi32(static_cast<int>(hi[r] - lo[r])),
+                                                    _MM_CMPINT_LE);
+      if (valid == 0) {
+        _mm512_storeu_ps(s, _mm512_set1_ps(-INFINITY));
+        continue;
+      }
+      __m512 qv[NC];
+      for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q[r] + c * 16);
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) {
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kp[j]));
+        for (int c = 1; c < NC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kp[j] + c * 16), a);
+        acc[j] = a;
+      }
+      const __m512 dots = _mm512_mul_ps(sum16x16(acc), _mm512_set1_ps(scale));
+      _mm512_storeu_ps(s, _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), dots));
+    }
+  }
+  // softmax per query: max, exponentials (exact zeros outside the range), lane-wise sums over the blocks
+  float inv[ATT_MAX_Q];
+  const float* prow[ATT_MAX_Q];
+  for (int r = 0; r < R; ++r) {
+    float* s = sc + r * width;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < width; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + i));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < width; i += 16) {
+      const __m512 x = _mm512_loadu_ps(s + i);
+      const __mmask16 fin = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      const __m512 e = _mm512_maskz_mov_ps(fin, exp512(_mm512_sub_ps(x, m)));
+      _mm512_storeu_ps(s + i, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    inv[r] = 1.f / _mm512_reduce_add_ps(sum);
+    prow[r] = s - b0 * 16;  // prow[r][j]: the weight of key j
+  }
+  // out = P V: key after key, 64 output floats and up to 4 queries at a time (16 accumulators)
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    const int rn = std::min(4, R - r0);
+    for (int64_t e0 = 0; e0 < HD; e0 += 64) {
+      if (rn == 4) pv_rows<4>(kv.v, off, klo, khi, e0, prow + r0, inv + r0, out + r0);
+      else if (rn == 3) pv_rows<3>(kv.v, off, klo, khi, e0, prow + r0, inv + r0, out + r0);
+      else if (rn == 2) pv_rows<2>(kv.v, off, klo, khi, e0, prow + r0, inv + r0, out + r0);
+      else pv_rows<1>(kv.v, off, klo, khi, e0, prow + r0, inv + r0, out + r0);
+    }
+  }
+  if (p_out != nullptr)
+    for (int r = 0; r < R; ++r)
+      if (p_out[r] != nullptr)
+        for (int64_t j = lo[r]; j <= hi[r]; ++j) p_out[r][j] = prow[r][j] * inv[r];
+}
+#endif
+
 // gate activation times up, in place over inter values: out = act(g) * u (act 0 = SiLU, 1 = GELU tanh approx.)
 void glu(const float* g, const float* u, int64_t n, int64_t act, float* out) {
   int64_t j = 0;
@@ -401,27 +551,65 @@ void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d
   }
   const int64_t group = n_heads / n_kv, window = L.window;
   const float fscale = static_cast<float>(L.scaling);
-  at::parallel_for(0, B * n_heads * T, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(max_end + 8);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i % T, head = (i / T) % n_heads, b = i / (T * n_heads), g = head / group;
-      const int64_t pos = kv.starts[b] + t;
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      KVRows rows;
-      if (kv.tables == nullptr) {
-        rows.k = kv.k + (b * n_kv + g) * kv.S * hd;
-        rows.v = kv.v + (b * n_kv + g) * kv.S * hd;
-      } else {
-        rows.k = kv.k + g * kv.n_pages * kv.ps * hd;
-        rows.v = kv.v + g * kv.n_pages * kv.ps * hd;
-        rows.table = kv.tables + b * kv.P;
-        rows.ps = kv.ps;
-      }
-      attend_row(qkv.data() + (b * T + t) * nqkv + head * hd, rows, lo, pos, hd, fscale, sc.data(),
-                 att.data() + (b * T + t) * qn + head * hd,
-                 probs != nullptr ? probs + ((b * n_heads + head) * T + t) * probs_S : nullptr);
+  auto kv_rows = [&](int64_t b, int64_t g) {
+    KVRows rows;
+    if (kv.tables == nullptr) {
+      rows.k = kv.k + (b * n_kv + g) * kv.S * hd;
+      rows.v = kv.v + (b * n_kv + g) * kv.S * hd;
+    } else {
+      rows.k = kv.k + g * kv.n_pages * kv.ps * hd;
+      rows.v = kv.v + g * kv.n_pages * kv.ps * hd;
+      rows.table = kv.tables + b * kv.P;
+      rows.ps = kv.ps;
     }
-  });
+    return rows;
+  };
+  auto window_lo = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0}; };
+#if defined(__AVX512F__)
+  if ((hd == 64 || hd == 128 || hd == 256) && group <= ATT_MAX_Q) {
+    // the query heads of one KV head, for a few positions at a time, share each read of the keys and values
+    const int64_t tq = std::max<int64_t>(1, std::min<int64_t>(T, ATT_MAX_Q / group)), ntile = (T + tq - 1) / tq;
+    at::parallel_for(0, B * n_kv * ntile, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> sc(ATT_MAX_Q * ((max_end + 15) / 16 + 1) * 16);
+      std::vector<int64_t> off(max_end + 1);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t tile = i % ntile, g = (i / ntile) % n_kv, b = i / (ntile * n_kv);
+        const int64_t t0 = tile * tq, t1 = std::min(T, t0 + tq);
+        const float* qp[ATT_MAX_Q];
+        float* op[ATT_MAX_Q];
+        float* pp[ATT_MAX_Q];
+        int64_t lo[ATT_MAX_Q], hi[ATT_MAX_Q];
+        int R = 0;
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t head = g * group; head < (g + 1) * group; ++head, ++R) {
+            const int64_t pos = kv.starts[b] + t;
+            qp[R] = qkv.data() + (b * T + t) * nqkv + head * hd;
+            op[R] = att.data() + (b * T + t) * qn + head * hd;
+            pp[R] = probs != nullptr ? probs + ((b * n_heads + head) * T + t) * probs_S : nullptr;
+            lo[R] = window_lo(pos);
+            hi[R] = pos;
+          }
+        const KVRows rows = kv_rows(b, g);
+        float* const* po = probs != nullptr ? pp : nullptr;
+        if (hd == 64) attend_group<64>(qp, lo, hi, R, rows, fscale, sc.data(), off.data(), op, po);
+        else if (hd == 128) attend_group<128>(qp, lo, hi, R, rows, fscale, sc.data(), off.data(), op, po);
+        else attend_group<256>(qp, lo, hi, R, rows, fscale, sc.data(), off.data(), op, po);
+      }
+    });
+  } else
+#endif
+  {
+    at::parallel_for(0, B * n_heads * T, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> sc(max_end + 8);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i % T, head = (i / T) % n_heads, b = i / (T * n_heads), g = head / group;
+        const int64_t pos = kv.starts[b] + t;
+        attend_row(qkv.data() + (b * T + t) * nqkv + head * hd, kv_rows(b, g), window_lo(pos), pos, hd, fscale,
+                   sc.data(), att.data() + (b * T + t) * qn + head * hd,
+                   probs != nullptr ? probs + ((b * n_heads + head) * T + t) * probs_S : nullptr);
+      }
+    });
+  }
   matmul_blocks(att.data(), R, qn, mats[1].data_ptr<uint8_t>(), d, fmts[1], tmp.data(), d);
   if (nptr(1) != nullptr) rmsnorm_rows(tmp.data(), R, d, nptr(1), feps, tmp.data());
   for (int64_t i = 0; i < R * d; ++i) h[i] += tmp[i];
