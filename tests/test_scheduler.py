@@ -360,3 +360,30 @@ def test_speculative_requests_batch_above_the_threshold(smol):
             assert min(e.info["cycle"] for e in seq.events[1:]) == 0
     with pytest.raises(InvalidArgumentError, match="batch_above"):
         make_mode("speculative:draft=ngram,batch_above=0", eng)
+
+
+@pytest.fixture(scope="module")
+def smol_native():
+    import laserlm
+
+    return laserlm.load("smollm2-135m", weights="native")
+
+
+def test_native_batch_of_many_equals_each_request_alone_whatever_the_chunking(smol_native):
+    """On the default packed weights every row of a step is computed as it would be alone (the block kernels and the
+    layer kernel's attention do not depend on the rows that share a call), and a prompt position is computed as a
+    decode step computes it: 20 greedy requests decoding together (more than the 16 rows of a verify), their prompts
+    prefilled in shared chunks of 7 or 64 tokens, give exactly the tokens of each request run alone (its prompt in
+    one forward). A hostile-input run of the server once saw greedy answers change under 24 concurrent streams."""
+    eng, tok = smol_native.engine, smol_native.tokenizer
+    texts = [p + " " + "word " * (i % 5) * 7 for i, p in enumerate(PROMPTS * 4)][:20]
+    ids = [torch.tensor(tok(t)["input_ids"]) for t in texts]
+    assert max(len(i) for i in ids) > 16 and min(len(i) for i in ids) < 16  # prompts on both sides of a step's rows
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    expected = [alone(eng, FullDepth(), i, params, 10) for i in ids]
+    for chunk in (7, 64):
+        sched = Scheduler(eng, BatchConfig(kv_budget="256MiB", max_batch=20, prefill_chunk=chunk), smol_native.eos_ids)
+        rids = [sched.submit(i, params) for i in ids]
+        run_all(sched)
+        assert [[e.token_id for e in sched.get(r).events] for r in rids] == expected, f"prefill_chunk={chunk}"
+        assert sched.stats["batched_rows"] >= 20 * 5  # the requests did decode together

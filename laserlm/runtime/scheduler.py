@@ -167,6 +167,7 @@ class Scheduler:
         # under eviction a prompt's kept pages depend on how it was chunked, so a shared prefix would not give the
         # cold run's logits: the prefix cache is off then
         self._prefix_cache = self.config.prefix_cache and self.eviction is None
+        self._full = FullDepth()  # the mode of requests submitted without one: one object, so that they batch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.sequences: dict[str, Sequence] = {}
@@ -205,7 +206,7 @@ class Scheduler:
             ContextLengthError, InvalidArgumentError, PoolFullError: as :meth:`submit`, except a full queue.
         """
         params = (params or SamplingParams()).validate()
-        mode = mode if mode is not None else FullDepth()
+        mode = mode if mode is not None else self._full
         self._check_supported(mode)
         ids = torch.as_tensor(prompt_ids)
         if ids.dim() > 1 and not (ids.dim() == 2 and ids.shape[0] == 1):
