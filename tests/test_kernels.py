@@ -136,3 +136,57 @@ def test_a_decode_step_of_many_sequences_runs_the_kernel():
     assert torch.equal(batched, alone)
     chunk = lin(x.reshape(1, 24, 128))
     assert not torch.equal(chunk.reshape(24, 1, 64), alone)
+
+
+def _tiny(family: str, head_dim: int):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    heads = 4
+    common = dict(hidden_size=heads * head_dim if head_dim > 16 else 64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=heads, num_key_value_heads=2, vocab_size=96, max_position_embeddings=128,
+                  head_dim=head_dim)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif family == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=5))
+    elif family == "qwen2":  # q/k/v biases
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    elif family == "qwen3":  # q/k norms
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common))
+    else:
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            **common, sliding_window=4, query_pre_attn_scalar=head_dim,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"]))
+    with torch.no_grad():
+        for p in model.parameters():  # non-trivial norms and biases
+            if p.dim() == 1:
+                p.normal_(0.5 if family != "gemma3" else 0.0, 0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_a_prompt_chunk_is_computed_as_decoding_token_by_token(family, weights, head_dim):
+    """Tiny random models of every family, packed: a 20-position forward (a prompt chunk, past the sliding windows)
+    gives at every position exactly the logits of decoding the same tokens one by one, and a batch of two sequences
+    gives each one's logits alone. Head dim 64 runs the grouped attention of the layer kernel on AVX-512 CPUs, 16 the
+    per-row one."""
+    from laserlm.models.packing import pack_model
+    from laserlm.runtime.engine import Engine
+
+    _ops()
+    model = _tiny(family, head_dim)
+    pack_model(model, weights)
+    eng = Engine(model, max_seq_len=64)
+    ids = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        eng.reset()
+        chunk = eng.forward(ids, logits="all").logits[0]
+        eng.reset()
+        stepped = torch.cat([eng.forward(ids[:, i:i + 1]).logits[0] for i in range(ids.shape[1])])
+        other = torch.randint(0, 96, (1, 20), generator=torch.Generator().manual_seed(5))
+        both = eng.forward(torch.cat([ids, other]), logits="all", cache=eng.new_cache(64, batch_size=2)).logits
+    assert torch.equal(chunk, stepped)
+    assert torch.equal(both[0], chunk)

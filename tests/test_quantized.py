@@ -362,6 +362,20 @@ def test_speculative_equals_full_greedy_on_native_weights(smol_native):
     assert spec.token_ids == full.token_ids
 
 
+def test_lookup_drafts_equal_full_greedy_on_native_weights(smol_native):
+    """Verifies of up to 16 positions on the packed kernels (each row computed as alone) accept long copied drafts
+    and still give exactly the full-depth greedy tokens."""
+    passage = ("The old lighthouse stood on the rocks at the edge of the bay, and every night its keeper climbed the "
+               "hundred steps to light the lamp.")
+    prompt = f"Repeat this sentence exactly, twice:\n{passage}"
+    full = smol_native.generate(prompt, chat=True, max_new_tokens=48, ignore_eos=True)
+    spec = smol_native.generate(prompt, chat=True, mode="speculative:draft=ngram,k=15", max_new_tokens=48,
+                                ignore_eos=True)
+    assert spec.token_ids == full.token_ids
+    stats = spec.stats()["speculative"]
+    assert stats["accepted"] >= 10 and stats["emitted"] / stats["cycles"] > 1.5  # multi-row verifies did run
+
+
 def test_sparse_attention_runs_on_native_weights(smol_native):
     from laserlm.attention import configure
 
