@@ -94,8 +94,8 @@ DEFAULT_VERIFY_BASE = 0.34
 # Zen 5, 2026-12-04; "avx2" is the AVX2 variant measured on that CPU (LASERLM_KERNEL_ISA=avx2), a proxy for AVX2-only
 # CPUs. ``verify_cost=auto`` measures the curve of your engine and machine instead.
 PACKED_VERIFY_TABLES = {
-    "avx512": {1: 1.0, 2: 1.09, 3: 1.19, 4: 1.34, 5: 1.54, 6: 1.8, 8: 2.5, 12: 3.9, 16: 4.65},
-    "avx2": {1: 1.0, 2: 1.11, 3: 1.32, 4: 1.66, 5: 2.9, 6: 3.07, 8: 3.75, 12: 5.1, 16: 6.4},
+    "avx512": {1: 1.0, 2: 1.07, 3: 1.17, 4: 1.31, 5: 1.5, 6: 1.74, 8: 2.23, 12: 3.57, 16: 4.3},
+    "avx2": {1: 1.0, 2: 1.09, 3: 1.3, 4: 1.56, 5: 2.8, 6: 2.95, 8: 3.6, 12: 4.9, 16: 6.2},
 }
 
 
