@@ -190,3 +190,14 @@ def test_a_prompt_chunk_is_computed_as_decoding_token_by_token(family, weights, 
         both = eng.forward(torch.cat([ids, other]), logits="all", cache=eng.new_cache(64, batch_size=2)).logits
     assert torch.equal(chunk, stepped)
     assert torch.equal(both[0], chunk)
+
+
+def test_two_threads_split_the_attention_queries_without_changing_them():
+    """With two threads, a decode step of one sequence splits a KV head's query heads across the threads (too few
+    tasks otherwise); each query's result is the same as in the unsplit 20-position forward."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        test_a_prompt_chunk_is_computed_as_decoding_token_by_token("llama", "int4", 64)
+    finally:
+        torch.set_num_threads(n)

@@ -567,28 +567,35 @@ void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d
   auto window_lo = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : int64_t{0}; };
 #if defined(__AVX512F__)
   if ((hd == 64 || hd == 128 || hd == 256) && group <= ATT_MAX_Q) {
-    // the query heads of one KV head, for a few positions at a time, share each read of the keys and values
+    // the query heads of one KV head, for a few positions at a time, share each read of the keys and values; when
+    // that leaves fewer than two tasks per thread (a decode step of few sequences), a tile's queries are split into
+    // parts (each query's result is the same in any part)
     const int64_t tq = std::max<int64_t>(1, std::min<int64_t>(T, ATT_MAX_Q / group)), ntile = (T + tq - 1) / tq;
-    at::parallel_for(0, B * n_kv * ntile, 1, [&](int64_t i0, int64_t i1) {
+    const int64_t tasks = B * n_kv * ntile, threads = at::get_num_threads();
+    const int64_t parts = std::min<int64_t>(group * tq, std::max<int64_t>(1, (2 * threads + tasks - 1) / tasks));
+    at::parallel_for(0, tasks * parts, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> sc(ATT_MAX_Q * ((max_end + 15) / 16 + 1) * 16);
       std::vector<int64_t> off(max_end + 1);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t tile = i % ntile, g = (i / ntile) % n_kv, b = i / (ntile * n_kv);
+        const int64_t part = i % parts, task = i / parts;
+        const int64_t tile = task % ntile, g = (task / ntile) % n_kv, b = task / (ntile * n_kv);
         const int64_t t0 = tile * tq, t1 = std::min(T, t0 + tq);
+        const int64_t nq = (t1 - t0) * group, per = (nq + parts - 1) / parts;
+        const int64_t q0 = part * per, q1 = std::min(nq, q0 + per);
+        if (q0 >= q1) continue;
         const float* qp[ATT_MAX_Q];
         float* op[ATT_MAX_Q];
         float* pp[ATT_MAX_Q];
         int64_t lo[ATT_MAX_Q], hi[ATT_MAX_Q];
         int R = 0;
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t head = g * group; head < (g + 1) * group; ++head, ++R) {
-            const int64_t pos = kv.starts[b] + t;
-            qp[R] = qkv.data() + (b * T + t) * nqkv + head * hd;
-            op[R] = att.data() + (b * T + t) * qn + head * hd;
-            pp[R] = probs != nullptr ? probs + ((b * n_heads + head) * T + t) * probs_S : nullptr;
-            lo[R] = window_lo(pos);
-            hi[R] = pos;
-          }
+        for (int64_t k = q0; k < q1; ++k, ++R) {
+          const int64_t t = t0 + k / group, head = g * group + k % group, pos = kv.starts[b] + t;
+          qp[R] = qkv.data() + (b * T + t) * nqkv + head * hd;
+          op[R] = att.data() + (b * T + t) * qn + head * hd;
+          pp[R] = probs != nullptr ? probs + ((b * n_heads + head) * T + t) * probs_S : nullptr;
+          lo[R] = window_lo(pos);
+          hi[R] = pos;
+        }
         const KVRows rows = kv_rows(b, g);
         float* const* po = probs != nullptr ? pp : nullptr;
         if (hd == 64) attend_group<64>(qp, lo, hi, R, rows, fscale, sc.data(), off.data(), op, po);
