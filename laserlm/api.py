@@ -253,9 +253,11 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
     ``weights``: ``"auto"`` (default: ``native`` for a GGUF file when ``dtype`` is not given, else dense
     float weights in ``dtype``), ``"fp32"`` (the exact reference, logits equal to transformers'),
     ``"bf16"``, ``"int8"``, ``"int4"`` or ``"native"`` (see :mod:`laserlm.models.quant`). ``dtype``:
-    ``"float32"`` (default) or ``"bfloat16"`` activations. ``prefill_dtype``: ``"auto"`` (default: bfloat16 on a
-    CPU with AMX-BF16, else float32), ``"float32"`` or ``"bfloat16"``: the dtype in which quantized weights multiply
-    more than 16 rows at once (prefill, large batches; :func:`laserlm.models.quant.resolve_prefill_dtype`).
+    ``"float32"`` (default) or ``"bfloat16"`` activations. ``prefill_dtype``: ``"auto"`` (default: int16 where the
+    block kernels are built, else bfloat16 on a CPU with AMX-BF16, else float32), ``"int16"`` (the kernels of a decode
+    step: a prompt position is computed exactly as when decoding), ``"float32"`` or ``"bfloat16"`` (a GEMM over the
+    dequantized matrix): how quantized weights multiply prompt chunks of more than 16 positions
+    (:func:`laserlm.models.quant.resolve_prefill_dtype`).
 
     ``attention``: ``None``/``"dense"`` or ``"sparse[:key=value,...]"``; ``attention_options`` (e.g.
     ``threshold=0.5, block_size=64, dense_layers=2``) configure block-sparse attention

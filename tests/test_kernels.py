@@ -201,3 +201,20 @@ def test_two_threads_split_the_attention_queries_without_changing_them():
         test_a_prompt_chunk_is_computed_as_decoding_token_by_token("llama", "int4", 64)
     finally:
         torch.set_num_threads(n)
+
+
+def test_unknown_kernel_variant_env_is_a_clear_error():
+    """The compiled module reads LASERLM_KERNEL_ISA at import, where a C++ error aborts the process: the value is
+    checked first (case and blanks forgiven)."""
+    import os  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = "import laserlm.models.kernels as k; k.ops(); print(k.ops().kernel_isa())"
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "LASERLM_KERNEL_ISA": "bogus"})
+    assert bad.returncode == 1 and "InvalidArgumentError" in bad.stderr and "avx512, avx2, scalar" in bad.stderr
+    assert "terminate called" not in bad.stderr
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "LASERLM_KERNEL_ISA": " Scalar "})
+    assert ok.returncode == 0 and ok.stdout.strip() == "scalar", ok.stderr

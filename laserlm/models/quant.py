@@ -216,7 +216,14 @@ def resolve_prefill_dtype(name: str | torch.dtype | None) -> torch.dtype:
     if name in (None, "auto", "int16"):
         if kernels.ops() is not None:
             return torch.int16
-        return torch.bfloat16 if kernels.hardware_bf16_gemm() else torch.float32
+        fallback = torch.bfloat16 if kernels.hardware_bf16_gemm() else torch.float32
+        if name == "int16":
+            import warnings  # noqa: PLC0415
+
+            warnings.warn(f"laserlm: --prefill-dtype int16 needs the block kernels, which are off "
+                          f"({kernels.unavailable_reason() or 'not built'}); prompt chunks run in {fallback}",
+                          RuntimeWarning, stacklevel=2)
+        return fallback
     if name in ("float32", "bfloat16"):
         return getattr(torch, name)
     raise InvalidArgumentError(f"unknown prefill dtype {name!r}; expected one of {', '.join(PREFILL_DTYPES)}")

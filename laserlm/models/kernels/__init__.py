@@ -94,6 +94,27 @@ def hardware_bf16_gemm() -> bool:
     return "avx512_bf16" in flags
 
 
+ISA_NAMES = ("avx512", "avx2", "scalar")
+
+
+def _check_isa_env() -> None:
+    """Normalise ``LASERLM_KERNEL_ISA`` (case, blanks) before the compiled module reads it at import.
+
+    Raises:
+        InvalidArgumentError: a value other than avx512, avx2 or scalar (the C++ module would abort the process).
+    """
+    raw = os.environ.get("LASERLM_KERNEL_ISA")
+    if raw is None or not raw.strip():
+        return
+    value = raw.strip().lower()
+    if value not in ISA_NAMES:
+        from ...errors import InvalidArgumentError  # noqa: PLC0415
+
+        raise InvalidArgumentError(f"LASERLM_KERNEL_ISA={raw!r} is not a kernel variant; use one of "
+                                   f"{', '.join(ISA_NAMES)} (or unset it for the best this CPU runs)")
+    os.environ["LASERLM_KERNEL_ISA"] = value
+
+
 def ops():
     """The compiled kernel module (``qmatmul``, ``dequantize``, ``decode_layer``, ``has_avx2`` and the ``LayerStack``
     class), or ``None`` if it cannot be built.
@@ -106,6 +127,7 @@ def ops():
     with _lock:
         if _tried:
             return _ops
+        _check_isa_env()
         if os.environ.get("LASERLM_NO_KERNELS", "").strip().lower() in ("1", "true", "yes", "on"):
             _error = "LASERLM_NO_KERNELS is set"
             warnings.warn("laserlm: LASERLM_NO_KERNELS is set: quantized weights run on the slow PyTorch reference "
