@@ -6,7 +6,8 @@ Classes (all through the model's chat template; greedy, ``--tokens`` new tokens,
 - ``extract``: "copy / extract from this passage" over Gutenberg (Great Expectations) paragraphs;
 - ``qa``: a question over a given WikiText-2 test passage;
 - ``code``: an edit (rename a function, add a docstring) of a function from laserlm's own Python source;
-- ``chat``: open-ended chat requests (nothing to copy; 16 of them).
+- ``chat``: open-ended chat requests (nothing to copy; 16 of them);
+- ``chat_heldout``: 8 more open requests, written apart from the draft head's training templates.
 
 For every prompt the methods run back to back (full depth, each speculative spec, transformers
 ``generate(prompt_lookup_num_tokens=N)``), so load from other jobs hits all alike. Reported per class:
@@ -42,6 +43,12 @@ CHAT = ["Write a short poem about the sea.", "Give me three tips for learning to
         "What should I pack for a beach holiday?", "Write a limerick about a cat.",
         "How can I sleep better at night?", "What makes a good friend?", "Tell me a fun fact about space.",
         "Give me ideas for a birthday party."]
+
+# Open requests written for the draft-head benchmark (issue 39): not from the draft head's training templates.
+CHAT_HELDOUT = ["What would you do with a free afternoon in Paris?", "Write a thank-you note to a teacher.",
+                "Describe how a rainbow forms.", "Give advice to someone starting a new job.",
+                "Invent a new holiday and describe how people celebrate it.", "What is your favourite season and why?",
+                "Write a short speech for a friend's wedding.", "How do plants grow from seeds?"]
 
 
 def _paragraphs(text: str, min_words: int, max_words: int) -> list[str]:
@@ -95,6 +102,7 @@ def build_prompts(n: int) -> dict[str, list[str]]:
         "code": [f"{code_tasks[i % 2].format(f=name)}\n\n```python\n{code}\n```" for i, (name, code) in
                  enumerate(_functions(n))],
         "chat": CHAT[:n],
+        "chat_heldout": CHAT_HELDOUT[:n],
     }
     return out
 

@@ -54,6 +54,18 @@ assert out["generated_tokens"] > 0 and out["text"].strip(), out
 print("check_wheel: generated", repr(out["text"][:60]), file=sys.stderr)
 EOF
 
+say "laserlm generate with the shipped draft head (package data) from the installed package"
+"$WORK/venv/bin/laserlm" generate --model smollm2-135m --weights native -n 16 -t 2 --json --chat \
+  --mode "speculative:draft=head" "Tell me a story." > "$WORK/head.json" 2> "$WORK/head.err" \
+  || { cat "$WORK/head.err" >&2; exit 1; }
+"$WORK/venv/bin/python" - "$WORK/head.json" <<'EOF'
+import json, sys
+out = json.load(open(sys.argv[1]))
+spec = out["speculative"]
+assert spec["head"] == "smollm2-135m.safetensors", spec
+print("check_wheel: draft head drafted", spec["drafted"], "tokens", file=sys.stderr)
+EOF
+
 say "laserlm eval --tasks agreement (the bundled prompts) from the installed package"
 DATA=${LASERLM_DATA:-$ROOT/../shared/data}
 "$WORK/venv/bin/laserlm" eval --model smollm2-135m --tasks agreement --limit 2 --gen-tokens 8 \

@@ -60,6 +60,17 @@ first available source gives (``k`` tokens from the shallow path, the whole cont
 lookup). Stats report cycles, drafted, accepted, emitted, tokens per verify and acceptance per source
 (``by_source``; source ``none`` = plain steps). Example: ``speculative:draft=ngram+layers,max_ngram=3,k=16``.
 
+**Draft head** (issue 39; :mod:`laserlm.speculative.draft_head`). ``draft=head`` drafts with a trained EAGLE-style
+head: one decoder layer that reads the target's last-layer feature of the last verified position and the embedding of
+the token after it, and predicts the next feature; its logits cover only the ``k`` most frequent tokens (FR-Spec).
+Drafts are a chain (no tree); the per-step policy prices ``m`` head drafts at ``m * head_cost + verify(m + 1)`` plain
+steps and picks ``m`` from the request's acceptance; ``head_threshold`` stops a chain when the head's confidence falls
+below it. Sampled drafts carry the head's distribution ``q`` (zero outside its vocabulary), so the usual acceptance
+rule keeps the output distributed as the target's. ``head=PATH`` names a head file (``laserlm train-draft-head``);
+without it a bundled model's shipped head is used. The head needs the last-layer features of every position, which
+plain batched steps (more than ``batch_above`` speculating requests) do not give: after one, a request drafts from
+lookup sources until a cycle of its own has run. Example: ``speculative:draft=head+ngram``.
+
 **Loss budget.** ``loss_budget=B`` (plain steps; off by default, see benchmarks/RESULTS.md; ``0`` or
 ``off`` disables it) bounds what drafts that do not pay can cost a request: a cycle may only draft lengths whose
 predicted waste fits the request's bank, and the bank is settled with the *measured* cycle time over the
@@ -96,6 +107,8 @@ MAX_K = 64
 DEFAULT_K = 4
 DEFAULT_LOOKUP_K = 16  # default k when a lookup source (ngram, suffix) drafts: copied spans are long
 DEFAULT_THRESHOLD = 0.0
+DEFAULT_HEAD_THRESHOLD = 0.0  # draft head: stop drafting below this confidence (0: the policy's length)
+DEFAULT_HEAD_COST = 0.11  # one token drafted by the shipped SmolLM2 head (Q8_0), in plain native steps (RESULTS, issue 39)
 DEFAULT_BATCH_ABOVE = 2  # more speculative requests than this decoding together take plain batched steps
 LOOKUP = ("ngram", "suffix")
 
@@ -185,6 +198,7 @@ class SpeculativeState(SpeculativeStats):
         self.head_fraction = head_fraction
         self.budget = budget
         self.proposals: dict = {}  # the last choice's lookup proposals {policy key: first drafted token}
+        self.head = None  # the draft head's HeadState (draft=head)
 
 
 def head_fraction(engine) -> float:
@@ -238,6 +252,11 @@ class SpeculativeDecoding:
             :class:`~.drafts.LossBudget`), a number in ``[0, 64]`` or ``"off"`` (= 0, no budget); default ``None``:
             off (benchmarks/RESULTS.md, "Lookup drafts with a loss budget": a first probe that misses overdraws the
             bank and ends drafting for the request, which cost more gains on grounded prompts than it saved).
+        draft_head: a :class:`~.draft_head.DraftModel` (required when ``draft`` names ``head``); ``head_name`` labels
+            it in the stats.
+        head_threshold: stop a head draft when its max probability falls below this, in ``[0, 1]`` (default 0).
+        head_cost: one head-drafted token in plain full-depth steps, in ``[0, 4]`` (default 0.11, measured with
+            benchmarks/bench_draft_head.py on the shipped SmolLM2 head).
         clock: the seconds clock the loss budget times cycles with (default :func:`time.perf_counter`; tests
             pass a fake clock to make the budget deterministic).
 
@@ -253,8 +272,23 @@ class SpeculativeDecoding:
                  min_match: int = DEFAULT_MIN_MATCH, adaptive: bool | None = None,
                  suffix_tokens: int = DEFAULT_SUFFIX_TOKENS, verify_cost: float = DEFAULT_VERIFY_COST,
                  verify_base: float = DEFAULT_VERIFY_BASE, ngram=None, batch_above: int = DEFAULT_BATCH_ABOVE,
-                 loss_budget: float | str | None = None, clock: Callable[[], float] | None = None):
+                 loss_budget: float | str | None = None, clock: Callable[[], float] | None = None,
+                 draft_head=None, head_name: str | None = None, head_threshold: float = DEFAULT_HEAD_THRESHOLD,
+                 head_cost: float = DEFAULT_HEAD_COST):
         sources = parse_draft(draft)
+        if "head" in sources and draft_head is None:
+            raise InvalidArgumentError("draft=head needs a draft head (head=PATH, or a model that ships one; train "
+                                       "one with `laserlm train-draft-head`)")
+        if not isinstance(head_threshold, (int, float)) or not 0.0 <= head_threshold <= 1.0:
+            raise InvalidArgumentError(f"head_threshold (draft head confidence) must be in [0, 1], got "
+                                       f"{head_threshold!r}")
+        if (isinstance(head_cost, bool) or not isinstance(head_cost, (int, float)) or not 0.0 <= head_cost <= 4.0):
+            raise InvalidArgumentError(f"head_cost (one drafted token of the head, in plain steps) must be a number "
+                                       f"in [0, 4], got {head_cost!r}")
+        self.draft_head = draft_head
+        self.head_name = head_name
+        self.head_threshold = float(head_threshold)
+        self.head_cost = float(head_cost)
         if isinstance(batch_above, bool) or not isinstance(batch_above, int) or not 1 <= batch_above <= 4096:
             raise InvalidArgumentError(f"batch_above (speculating requests in a batch before they take plain "
                                        f"batched steps) must be an integer in [1, 4096], got {batch_above!r}")
@@ -296,7 +330,7 @@ class SpeculativeDecoding:
         self.draft = sources
         self.max_ngram = max_ngram
         self.min_match = min_match
-        self.adaptive = any(s in LOOKUP for s in sources) if adaptive is None else bool(adaptive)
+        self.adaptive = any(s in (*LOOKUP, "head") for s in sources) if adaptive is None else bool(adaptive)
         self.loss_budget = DEFAULT_LOSS_BUDGET if loss_budget is None else check_loss_budget(loss_budget)
         self.clock = clock or time.perf_counter
         self.verify_cost = float(verify_cost)
@@ -317,6 +351,8 @@ class SpeculativeDecoding:
                        verify_base=None if table else self.verify_base)  # None: priced by verify_fit's table
             if self.suffix_cache is not None:
                 out.update(suffix_tokens=self.suffix_cache.max_tokens, suffix_cache_tokens=len(self.suffix_cache))
+            if self.draft_head is not None:
+                out.update(head=self.head_name, head_threshold=self.head_threshold, head_cost=self.head_cost)
         return out
 
     def _check_engine(self, engine) -> None:
@@ -331,6 +367,10 @@ class SpeculativeDecoding:
         lookup = any(s in LOOKUP for s in self.draft)
         st = SpeculativeState(NgramIndex(self.max_ngram) if lookup else None, DraftPolicy(max_ngram=self.max_ngram),
                               head_fraction(engine))
+        if self.draft_head is not None:
+            from .draft_head import HeadState  # noqa: PLC0415
+
+            st.head = HeadState()
         if self.loss_budget > 0:
             k = self.k if engine.fast_rows is None else min(self.k, engine.fast_rows - 1)  # what step() can draft
             longest = max(self._cost(st, src, k) for src in self.draft) - 1.0
@@ -340,8 +380,19 @@ class SpeculativeDecoding:
     @torch.inference_mode()
     def prefill(self, engine, request) -> list[Emitted]:
         t0 = time.perf_counter()
-        out = engine.prefill(request.prompt_ids.unsqueeze(0), cache=request.cache)
-        cur = request.sample(out.logits[0, -1])
+        st = request.state
+        if st.head is None:
+            out = engine.prefill(request.prompt_ids.unsqueeze(0), cache=request.cache)
+            cur = request.sample(out.logits[0, -1])
+        else:  # the draft head needs the prompt's last-layer features
+            p = request.prefilled
+            ids = request.prompt_ids[p:]
+            request.cache.crop(p)
+            h, state = engine.begin(ids.unsqueeze(0), start=p, cache=request.cache)
+            h = engine.run_layers(0, engine.num_layers, h, state)
+            engine.commit(state)
+            cur = request.sample(engine.head(h[:, -1:])[0, -1])
+            st.head.add(h[0].float(), ids[1:].tolist() + [cur], p)
         request.state.prefill_s = time.perf_counter() - t0
         self._record_tokens(request, request.prompt_ids.tolist() + [cur])
         return [Emitted(cur, engine.num_layers, {"kind": "prefill"})]
@@ -406,6 +457,8 @@ class SpeculativeDecoding:
         rows = FullDepth().step_batch(engine, requests)
         for r, emitted in zip(requests, rows):
             st = r.state
+            if st.head is not None:
+                st.head.lost()  # no last-layer features from the batched step
             st.record("none", 0, 0)
             self._record_tokens(r, [e.token_id for e in emitted])
             for e in emitted:
@@ -432,6 +485,8 @@ class SpeculativeDecoding:
         """Predicted relative cost (a plain step = 1) of a cycle drafting ``m`` tokens from ``source``."""
         if source == "none" or m < 1:
             return 1.0
+        if source == "head":
+            return m * self.head_cost + self._verify_cost(m + 1)
         return self._layers_cost(st, m) if source == "layers" else self._verify_cost(m + 1)
 
     def _choose(self, request, k: int) -> tuple[str, str | None, int, list[int] | None]:
@@ -449,6 +504,10 @@ class SpeculativeDecoding:
             cost = lambda m, src=src: self._cost(st, src, m)  # noqa: E731
             if src == "layers":
                 key, toks, max_m = "layers", None, k
+            elif src == "head":
+                if st.head.pending_feats is None:
+                    continue
+                key, toks, max_m = "head", None, k
             else:
                 if src == "ngram":
                     finder = self.ngram.lookup if self.ngram is not None else (
@@ -534,6 +593,20 @@ class SpeculativeDecoding:
             drafts.append(x)
         return drafts, q_probs, hiddens, steps
 
+    def _draft_head(self, engine, request, k: int):
+        """Up to ``k`` tokens from the draft head (:func:`~.draft_head.draft_chain`); ``(drafts, q or None)``."""
+        from .draft_head import draft_chain  # noqa: PLC0415
+
+        params, gen, dm = request.params, request.generator, self.draft_head
+        sample = None
+        if not params.greedy:
+            def sample(lg):
+                full = torch.full((engine.config.vocab_size,), float("-inf"))
+                full[dm.vocab_ids] = lg
+                q = probabilities(full, params)
+                return int(torch.multinomial(q, 1, generator=gen)), q
+        return draft_chain(dm, request.state.head, k, self.head_threshold, sample)
+
     def _cycle(self, engine, request, cur: int, source: str, k: int,
                lookup: list[int] | None) -> tuple[list[int], int, float]:
         """One draft + verify cycle from ``cur``; returns (emitted tokens, drafted count, layer passes).
@@ -551,6 +624,8 @@ class SpeculativeDecoding:
         if source == "layers" and k > 0:
             drafts, q_probs, hiddens, steps = self._draft_layers(engine, request, cur, k)
             reuse = self.reuse
+        elif source == "head" and k > 0:
+            drafts, q_probs = self._draft_head(engine, request, k)
         else:
             drafts = list(lookup[:k]) if lookup is not None else []
         m = len(drafts)
@@ -595,6 +670,8 @@ class SpeculativeDecoding:
                 last = int(torch.multinomial(p[m], 1, generator=gen))
         # 4. roll back rejected positions: keep cur and the accepted drafts
         engine.truncate(start + a + 1, cache=cache)
+        if st.head is not None:  # true features of the kept positions, with the tokens that followed them
+            st.head.add(h[0, :a + 1].float(), drafts[:a] + [last], start)
         t2 = time.perf_counter()
         st.draft_steps += steps
         st.draft_s += t1 - t0
@@ -625,13 +702,18 @@ class SpeculativeOptions:
     verify_cost: Optional[Union[float, Literal["auto"]]] = None
     verify_base: Optional[float] = None
     batch_above: Optional[int] = None
+    head: Optional[str] = None
+    head_threshold: Optional[float] = None
+    head_cost: Optional[float] = None
     loss_budget: Optional[Union[float, Literal["off"]]] = field(
         default=None, metadata={"expect": "a number of plain steps in [0, 64] or off"})
 
 
 LAYERS_ONLY = ("draft_layers", "threshold", "reuse", "laser")  # options of the shallow-path draft
 LOOKUP_OPTIONS = ("max_ngram", "min_match")
+HEAD_OPTIONS = ("head", "head_threshold", "head_cost")
 DRAFT_OPTIONS = ("draft", "max_ngram", "min_match", "adaptive", "suffix_tokens", "verify_cost", "verify_base",
+                 "head", "head_threshold", "head_cost",
                  "batch_above", "loss_budget")
 OPTIONS = tuple(f.name for f in fields(SpeculativeOptions))
 
@@ -679,7 +761,10 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH][,draft=ngram+suffix+layers,max_ngram=3,
     min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34][,batch_above=2]
-    [,loss_budget=1|off]`` -> :class:`SpeculativeDecoding`.
+    [,loss_budget=1|off][,head=PATH,head_threshold=0,head_cost=0.11]`` -> :class:`SpeculativeDecoding`.
+
+    ``draft=...+head`` loads the draft head file ``head`` (default: the one shipped for a bundled model); errors as
+    :func:`~.draft_head.load_draft_head` (a file made for other weights is refused).
 
     Without ``verify_cost`` / ``verify_base``, lookup drafts on packed weights (``Engine.fast_rows`` set:
     ``native``, ``int4``, ``int8``) use the measured table of the kernel variant, :func:`~.drafts.packed_verify_table` (reported as
@@ -728,6 +813,22 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         if given:
             raise InvalidArgumentError(f"speculative option(s) {', '.join(given)} set the n-gram / suffix drafts; "
                                        f"name them in draft= (e.g. draft=ngram+layers)")
+    given = [key for key in HEAD_OPTIONS if getattr(o, key) is not None]
+    if given and "head" not in sources:
+        raise InvalidArgumentError(f"speculative option(s) {', '.join(given)} set the draft head; add +head to draft "
+                                   f"(e.g. draft=head+ngram)")
+    if "head" in sources:
+        from .draft_head import load_draft_head, shipped_head_path  # noqa: PLC0415
+
+        path = o.head if o.head is not None else shipped_head_path(engine)
+        if path is None or not str(path).strip():
+            raise InvalidArgumentError("draft=head needs a draft head file (head=PATH); laserlm ships one only for "
+                                       "bundled models: train one with `laserlm train-draft-head -m MODEL -o PATH`")
+        from pathlib import Path  # noqa: PLC0415
+
+        draft_kwargs["draft_head"], _ = load_draft_head(path, engine)
+        draft_kwargs["head_name"] = Path(path).name
+        draft_kwargs.pop("head", None)
     if o.suffix_tokens is not None and "suffix" not in sources:
         raise InvalidArgumentError(f"speculative option suffix_tokens bounds the suffix cache; draft={o.draft} "
                                    "does not use it (add +suffix to draft)")
@@ -764,7 +865,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
         draft_kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
     elif (o.verify_cost is None and o.verify_base is None and engine.fast_rows is not None
-          and any(s in LOOKUP for s in sources)):
+          and any(s in (*LOOKUP, "head") for s in sources)):
         # packed weights: the float32 log-curve underestimates a many-row verify by 2-3x (drafts too long)
         verify_fit = {"measured": packed_verify_table(), "source": "packed-weights prior"}
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first

@@ -99,7 +99,8 @@ def _greedy(engine, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: int = 64,
-                      progress: bool = True) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                      progress: bool = True, questions: list[str] | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(tokens [n_records * seq_len], counted [n_records * seq_len] bool, report)``: ``n_records`` records of a
     chat prompt and the model's greedy continuation (module docstring). ``counted[i]``: position ``i`` (which
     predicts token ``i + 1``) predicts a generated token.
@@ -116,7 +117,10 @@ def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: i
     buckets: dict[int, list[list[int]]] = {}
     batches: list[list[list[int]]] = []
     n_seen = 0
-    for q in chat_questions(root, held_out=shipped_prompts()):
+    held = {p.strip().lower() for p in shipped_prompts()}
+    pool = chat_questions(root, held_out=held) if questions is None else [q for q in questions
+                                                                         if q.strip().lower() not in held]
+    for q in pool:
         ids = encode_prompt(tok, q, chat, engine.max_seq_len).tolist()
         if len(ids) > max_prompt:
             continue
