@@ -137,7 +137,8 @@ def test_mode_option_classes():
     s = from_spec(SpeculativeOptions, {"k": "auto", "draft_layers": "3", "reuse": "off"}, "speculative")
     assert (s.k, s.draft_layers, s.reuse, s.threshold, s.auto) == ("auto", 3, False, None, False)
     assert OPTIONS == ("draft_layers", "k", "threshold", "reuse", "auto", "laser", "draft", "max_ngram", "min_match",
-                       "adaptive", "suffix_tokens", "verify_cost", "verify_base", "batch_above", "loss_budget")
+                       "adaptive", "suffix_tokens", "verify_cost", "verify_base", "batch_above", "head",
+                       "head_threshold", "head_cost", "loss_budget")
 
 
 def test_sparse_config_through_the_parser():
