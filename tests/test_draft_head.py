@@ -191,3 +191,26 @@ def test_smollm2_greedy_with_head_equals_full_depth(smol_head):
         spec = lm.generate(prompt, max_new_tokens=48, mode="speculative:draft=head+ngram", chat=True,
                            ignore_eos=True)
         assert spec.token_ids == full.token_ids, prompt
+
+
+def test_cli_trains_a_head_that_the_mode_loads(tmp_path, capsys):
+    """`laserlm train-draft-head` end to end at tiny sizes on the bundled model; bad sizes fail before any work."""
+    import json  # noqa: PLC0415
+
+    import laserlm  # noqa: PLC0415
+    from laserlm.cli import main  # noqa: PLC0415
+
+    out = tmp_path / "h.safetensors"
+    assert main(["train-draft-head", "-t", "1", "-o", str(out), "--vocab", "5"]) == 2
+    assert "draft vocabulary size" in capsys.readouterr().err and not out.with_name("h.safetensors.work").exists()
+    assert main(["train-draft-head", "-t", "1", "-o", str(out), "--chat-records", "2", "--instruction-records", "2",
+                 "--text-records", "2", "--seq-len", "96", "--epochs", "1", "--vocab", "256", "--quiet",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["records"] == [6, 96] and report["vocab"] == 256
+    assert not out.with_name("h.safetensors.work").exists()  # the finished run's checkpoint is removed
+    lm = laserlm.load("smollm2-135m", weights="native")
+    res = lm.generate("Tell me a story.", chat=True, max_new_tokens=12, ignore_eos=True,
+                      mode=f"speculative:draft=head,head={out}")
+    full = lm.generate("Tell me a story.", chat=True, max_new_tokens=12, ignore_eos=True)
+    assert res.token_ids == full.token_ids

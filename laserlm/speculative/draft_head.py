@@ -255,11 +255,21 @@ def load_draft_head(path, engine) -> tuple[DraftModel, dict]:
         head = DraftHead(cfg)
         head.load_state_dict({k[5:]: v.float() for k, v in tensors.items() if k.startswith("head.")})
         vocab_ids = tensors["vocab_ids"]
-        if vocab_ids.numel() != cfg.vocab or int(vocab_ids.max()) >= engine.config.vocab_size:
+        if (vocab_ids.numel() != cfg.vocab or int(vocab_ids.max()) >= engine.config.vocab_size
+                or int(vocab_ids.min()) < 0):
             raise ValueError("vocab_ids do not match the config / the model's vocabulary")
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise CorruptModelError(f"{path}: draft head does not match its config: {exc}") from None
     return DraftModel(engine, head, vocab_ids).quantize(), meta
+
+
+def shipped_heads() -> list[str]:
+    """Names of the bundled models laserlm ships a draft head for."""
+    from importlib import resources  # noqa: PLC0415
+
+    d = resources.files("laserlm.speculative").joinpath("heads")
+    return sorted(p.name[:-len(".safetensors")] for p in d.iterdir() if p.name.endswith(".safetensors")) \
+        if d.is_dir() else []
 
 
 def shipped_head_path(engine) -> Path | None:
@@ -276,8 +286,8 @@ def shipped_head_path(engine) -> Path | None:
 
 # -- per-request drafting ----------------------------------------------------------------------------------------------
 class HeadState:
-    """A request's draft-head state: the draft's K/V of the positions it has consumed (``[1, kv, P, hd]`` each, in
-    a buffer grown by doubling) and the *pending* pairs, true target features ``[n, d]`` with the tokens that
+    """A request's draft-head state: the draft's K/V of the positions it has consumed (``[1, kv, P, hd]`` each,
+    extended by concatenation) and the *pending* pairs, true target features ``[n, d]`` with the tokens that
     followed them, not yet fed to the draft layer. ``pending is None``: the feature of the last position is unknown
     (after a plain batched step), so the head cannot draft until a cycle of this request's own gives one."""
 
@@ -367,7 +377,8 @@ def draft_chain(dm: DraftModel, st: HeadState, m: int, threshold: float, sample=
 
 
 def param_bytes(head: DraftHead, vocab: int) -> int:
-    """Bytes one drafted token reads (float32 parameters + the ``[k, d]`` rows)."""
+    """Bytes one drafted token would read with the float32 head (parameters + the ``[k, d]`` rows); the Q8_0 copies
+    that drafting runs (:meth:`DraftModel.quantize`) read about 34/128 of it."""
     return 4 * (sum(p.numel() for p in head.parameters()) + vocab * head.cfg.hidden_size)
 
 

@@ -818,12 +818,16 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
         raise InvalidArgumentError(f"speculative option(s) {', '.join(given)} set the draft head; add +head to draft "
                                    f"(e.g. draft=head+ngram)")
     if "head" in sources:
-        from .draft_head import load_draft_head, shipped_head_path  # noqa: PLC0415
+        from .draft_head import load_draft_head, shipped_head_path, shipped_heads  # noqa: PLC0415
 
+        if o.head is not None and not str(o.head).strip():
+            raise InvalidArgumentError("speculative option head needs a draft head file path (head=PATH), or leave "
+                                       "it out for the head a bundled model ships")
         path = o.head if o.head is not None else shipped_head_path(engine)
-        if path is None or not str(path).strip():
-            raise InvalidArgumentError("draft=head needs a draft head file (head=PATH); laserlm ships one only for "
-                                       "bundled models: train one with `laserlm train-draft-head -m MODEL -o PATH`")
+        if path is None:
+            raise InvalidArgumentError("draft=head needs a draft head file (head=PATH): laserlm ships none for this "
+                                       f"model (it ships heads for: {', '.join(shipped_heads()) or 'none'}); train "
+                                       "one with `laserlm train-draft-head -m MODEL -o PATH`")
         from pathlib import Path  # noqa: PLC0415
 
         draft_kwargs["draft_head"], _ = load_draft_head(path, engine)

@@ -136,7 +136,7 @@ def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: i
         batches.append(rest.pop(0))
     if sum(map(len, batches)) < n_records:
         raise InvalidArgumentError(f"chat calibration needs {n_records} prompts of at most {max_prompt} tokens; "
-                                   f"the sources give {n_seen} (lower the split sizes)")
+                                   f"the sources give {n_seen} (ask for fewer records, or a longer --seq-len: a prompt may fill at most half of a record)")
     records, counted = [], []
     bar = tqdm(total=n_records, desc="generate chat calibration text", unit="answer", disable=not progress)
     for rows in batches:

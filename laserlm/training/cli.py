@@ -156,7 +156,8 @@ def add_parser(subparsers) -> None:
         "train-draft-head", help="train an EAGLE-style draft head for speculative decoding (draft=head)",
         description="Train a draft head (one decoder layer + the target's LM-head rows of the k most frequent "
                     "tokens) on the frozen model's last-layer features, with EAGLE's loss. Data: the model's own "
-                    "greedy answers to ARC/PIQA dev questions plus WikiText-2 valid records. Use it with "
+                    "greedy answers to ARC/PIQA dev questions and to templated open requests, plus WikiText-2 valid "
+                    "records. Use it with "
                     "--mode 'speculative:draft=head+ngram,head=PATH'.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  laserlm train-draft-head -m smollm2-135m -o smol.head.safetensors\n"
@@ -179,8 +180,10 @@ def add_parser(subparsers) -> None:
                    help="draft vocabulary: the k tokens the model predicts most often (default: %(default)s)")
     p.add_argument("--intermediate-size", type=_positive(int, "--intermediate-size"), default=None,
                    help="MLP width of the draft layer (default: 2 x hidden size)")
-    p.add_argument("--epochs", type=_positive(int, "--epochs"), default=10, help="(default: %(default)s)")
-    p.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3, help="(default: %(default)s)")
+    p.add_argument("--epochs", type=_positive(int, "--epochs"), default=10,
+                   help="passes over the records (default: %(default)s)")
+    p.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3,
+                   help="AdamW learning rate, 5%% warm-up then cosine to 10%% (default: %(default)s)")
     p.add_argument("--batch", type=_positive(int, "--batch"), default=8, help="records per step (default: %(default)s)")
     p.add_argument("--max-minutes", type=_positive(float, "--max-minutes"), default=None,
                    help="stop after the epoch in which this much time has passed (resume later with the same "
@@ -200,8 +203,19 @@ def cmd_train_draft_head(args) -> int:
     from ..speculative.draft_head import save_draft_head  # noqa: PLC0415
     from .draft_head import train_draft_head, training_records  # noqa: PLC0415
 
+    from ..speculative.draft_head import check_vocab  # noqa: PLC0415
+
     out = Path(args.output)
     check_output_paths(out, args.work_dir)
+    check_vocab(args.vocab)  # fail before the model loads and the answers are generated
+    if not 0 < args.lr < 1:
+        raise InvalidArgumentError(f"--lr must be in (0, 1), got {args.lr}")
+    if args.seq_len < 64:
+        raise InvalidArgumentError(f"--seq-len must be at least 64 (a chat prompt may fill at most half of a record), "
+                                   f"got {args.seq_len}")
+    if args.chat_records + args.instruction_records + args.text_records < 2:
+        raise InvalidArgumentError("draft head training needs at least 2 records (--chat-records, "
+                                   "--instruction-records, --text-records)")
     work = Path(args.work_dir) if args.work_dir is not None else out.with_name(out.name + ".work")
     lm = load_from_args(args)
     records, data_report = training_records(lm.engine, args.chat_records, args.text_records, args.seq_len, args.data,
@@ -216,6 +230,9 @@ def cmd_train_draft_head(args) -> int:
               f"same command again to resume from {work}", file=sys.stderr)
         return 0
     save_draft_head(out, lm.engine, dm.head, dm.vocab_ids, report)
+    (work / "draft_head.ckpt").unlink(missing_ok=True)  # finished: the checkpoint only served resuming
+    if not any(work.iterdir()):
+        work.rmdir()
     if args.json:
         print(json.dumps(report))
     else:

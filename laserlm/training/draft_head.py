@@ -59,7 +59,7 @@ def train_draft_head(engine, records: torch.Tensor, vocab: int = 4096, epochs: i
     """Train a draft head on ``records [R, S]`` (token ids) of ``engine``'s frozen model.
 
     Optimiser: AdamW (weight decay 0), ``lr`` with 5 % linear warm-up and cosine decay to 10 %, gradient norm
-    clipped at 1.0; records shuffled per epoch by a generator seeded with ``(seed, epoch)``.
+    clipped at 1.0; records shuffled per epoch (and the feature noise drawn) by a generator seeded with ``1000 * seed + epoch``.
 
     Args:
         work_dir: a directory for ``draft_head.ckpt`` (written after every epoch). A checkpoint there with the
@@ -205,7 +205,7 @@ def instruction_prompts() -> list[str]:
 
 def training_records(engine, chat_records: int, text_records: int, seq_len: int, data=None, progress: bool = True,
                      instruction_records: int = 0):
-    """``[chat_records + text_records, seq_len]`` token records (module docstring) and a report.
+    """``[chat_records + instruction_records + text_records, seq_len]`` token records (module docstring) and a report.
 
     Raises:
         DataFileError: a data file is missing (the message names ``--data``).
@@ -235,7 +235,7 @@ def training_records(engine, chat_records: int, text_records: int, seq_len: int,
         parts.append(text[:text_records * seq_len].view(text_records, seq_len))
         report["text_records"] = text_records
     if not parts:
-        raise InvalidArgumentError("draft head training needs chat records or text records (both are 0)")
+        raise InvalidArgumentError("draft head training needs chat, instruction or text records (all are 0)")
     return torch.cat(parts), report
 
 
