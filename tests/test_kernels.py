@@ -9,6 +9,7 @@ import functools
 
 import numpy as np
 import pytest
+from laserlm.errors import InvalidArgumentError
 import torch
 
 from laserlm.models import kernels, quant
@@ -218,3 +219,13 @@ def test_unknown_kernel_variant_env_is_a_clear_error():
     ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                         env={**os.environ, "LASERLM_KERNEL_ISA": " Scalar "})
     assert ok.returncode == 0 and ok.stdout.strip() == "scalar", ok.stderr
+
+
+@pytest.mark.parametrize("k", [48, 33, 16, 0])
+def test_quantlinear_rejects_widths_that_are_not_whole_blocks(k):
+    """A width that is not a multiple of the block size is refused when the layer is built, not at its first call."""
+    from laserlm.models.quant import Q4_1, QuantLinear  # noqa: PLC0415
+
+    blocks = torch.zeros(16, max(k // 32, 0) * 20, dtype=torch.uint8)
+    with pytest.raises(InvalidArgumentError, match="multiple of 32"):
+        QuantLinear(blocks, Q4_1, k)

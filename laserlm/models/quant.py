@@ -295,6 +295,11 @@ class QuantLinear(nn.Module):
         return mod
 
     def _setup(self, qweight, fmt, in_features, out_features, bias):
+        if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0 or in_features % QK:
+            raise InvalidArgumentError(f"{FORMAT_NAMES.get(fmt, fmt)} rows hold whole blocks of {QK} weights: "
+                                       f"in_features must be a positive multiple of {QK}, got {in_features!r}")
+        if out_features <= 0:
+            raise InvalidArgumentError(f"a quantized matrix needs at least one output row, got {out_features}")
         self.register_buffer("qweight", qweight)
         self.fmt = fmt
         self.in_features = in_features
