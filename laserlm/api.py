@@ -247,7 +247,8 @@ class _Replay:
 
 
 def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,
-         attention=None, weights: str = "auto", prefill_dtype: str = "auto", **attention_options) -> LaserLM:
+         attention=None, weights: str = "auto", prefill_dtype: str = "auto", delta=None,
+         **attention_options) -> LaserLM:
     """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id.
 
     ``weights``: ``"auto"`` (default: ``native`` for a GGUF file when ``dtype`` is not given, else dense
@@ -258,6 +259,9 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
     step: a prompt position is computed exactly as when decoding), ``"float32"`` or ``"bfloat16"`` (a GEMM over the
     dequantized matrix): how quantized weights multiply prompt chunks of more than 16 positions
     (:func:`laserlm.models.quant.resolve_prefill_dtype`).
+
+    ``delta``: a delta file from ``laserlm train-backbone`` (LoRA factors bound to this base model), merged into the
+    weights before packing (:mod:`laserlm.models.delta`); a laser file calibrated on the adapted model needs it.
 
     ``attention``: ``None``/``"dense"`` or ``"sparse[:key=value,...]"``; ``attention_options`` (e.g.
     ``threshold=0.5, block_size=64, dense_layers=2``) configure block-sparse attention
@@ -270,5 +274,5 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
         InvalidArgumentError (bad dtype or attention options).
     """
-    loaded = load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype)
+    loaded = load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype, delta=delta)
     return LaserLM(loaded, max_seq_len=max_seq_len, attention=attention, **attention_options)

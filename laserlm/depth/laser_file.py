@@ -28,6 +28,7 @@ default ambiguous, and re-calibrating takes minutes.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -110,6 +111,37 @@ def check_identity(meta: dict, engine, path: str = "laser file") -> None:
             f"{path} was made for another model ({made}): the weights differ (the base model's weights hash "
             f"{str(meta.get('weights_sha256'))[:12]}... is not this model's {weights_sha256(engine.model)[:12]}...); "
             "recalibrate with `laserlm calibrate`")
+    check_delta(meta, engine, path)
+
+
+def check_delta(meta: dict, engine, path: str = "laser file") -> None:
+    """Raise :class:`InvalidArgumentError` when a file made on a model adapted by a delta (``laserlm train-backbone``,
+    :mod:`laserlm.models.delta`) meets the model without that delta, or the reverse."""
+    from ..models.delta import ATTRIBUTE  # noqa: PLC0415
+
+    theirs = (meta.get("delta") or {}).get("sha256")
+    mine = engine.model.__dict__.get(ATTRIBUTE)
+    if theirs == mine:
+        return
+    if theirs is not None:
+        file = (meta.get("delta") or {}).get("file", "?")
+        raise InvalidArgumentError(
+            f"{path} was made on the model adapted by the delta {file} ({theirs[:12]}...), but "
+            + ("this model carries no delta" if mine is None else f"this model carries another delta ({mine[:12]}...)")
+            + f"; load the model with that delta: --delta {file} (the CLI's --laser loads it by itself), or "
+              f"laserlm.load(..., delta='{file}')")
+    raise InvalidArgumentError(
+        f"{path} was made on the model without a delta, but this model carries one ({mine[:12]}...); load the model "
+        "without --delta, or calibrate the adapted model (`laserlm calibrate --delta FILE`)")
+
+
+def delta_file_of(meta: dict, path) -> Path | None:
+    """The delta file a laser file's metadata names (resolved next to the laser file when relative), or ``None``."""
+    d = meta.get("delta")
+    if not d or not d.get("file"):
+        return None
+    f = Path(d["file"])
+    return f if f.is_absolute() else Path(path).parent / f
 
 
 def tensors_digest(tensors: dict) -> str:
@@ -163,6 +195,15 @@ def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) 
         for k, v in artifact.predictor.state_dict().items():
             tensors[f"predictor.{k}"] = v.detach().contiguous().cpu()
         meta["predictor"] = artifact.predictor.config_dict()
+    from ..models.delta import ATTRIBUTE, PATH_ATTRIBUTE  # noqa: PLC0415
+
+    if (digest := engine.model.__dict__.get(ATTRIBUTE)) is not None:  # made on a model adapted by a delta
+        src = Path(engine.model.__dict__[PATH_ATTRIBUTE]).resolve()
+        try:
+            file = os.path.relpath(src, path.parent.resolve())
+        except ValueError:  # another drive
+            file = str(src)
+        meta["delta"] = {"sha256": digest, "file": file}
     meta["tensors_sha256"] = tensors_digest(tensors)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"laserlm": json.dumps(meta)})

@@ -358,7 +358,7 @@ def resolve_weights(weights: str | None, dtype, from_gguf: bool) -> tuple[str, t
 
 
 def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool = True,
-               weights: str | None = "auto", prefill_dtype: str | None = "auto") -> LoadedModel:
+               weights: str | None = "auto", prefill_dtype: str | None = "auto", delta=None) -> LoadedModel:
     """Load a supported causal LM and its tokenizer for laserlm.
 
     Args:
@@ -372,6 +372,10 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
             quantized weights multiply prompt chunks of more than 16 positions; int16 = the block kernels of a decode
             step (auto, where they are built), float32 / bfloat16 = a GEMM over the dequantized matrix
             (:func:`laserlm.models.quant.resolve_prefill_dtype`). Float weights ignore ``auto``.
+        delta: a delta file (``laserlm train-backbone``, :mod:`laserlm.models.delta`) merged into the float weights
+            before packing; quantized formats then quantize each adapted matrix into the format its original had
+            (native: the GGUF tensor's own block format), the others stay as stored. The model's weights hash stays
+            the base's; the delta's digest is recorded beside it.
 
     Raises:
         ModelNotFoundError: unknown name, missing file, hub id not available offline.
@@ -379,7 +383,8 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
         UnsupportedArchitectureError: the architecture is not one of :data:`SUPPORTED_MODEL_TYPES`, or a
             GGUF tensor type without a kernel under ``native``.
         InvalidArgumentError: unknown dtype, weight format or prefill dtype, or contradicting ones (an explicit
-            ``prefill_dtype`` with float weights).
+            ``prefill_dtype`` with float weights); a delta made for another base model.
+        CorruptModelError: a damaged delta file.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
 
@@ -433,19 +438,6 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     model.eval()
     model.requires_grad_(False)
     warn_on_round_trip_failure(tokenizer, name, where)  # encode -> decode probe (laserlm.models.tokenizer_probe)
-    report = None
-    if weights in QUANTIZED_FORMATS:
-        from .packing import pack_model  # noqa: PLC0415
-
-        _record_stored_weights_hash(model, where)
-        report = pack_model(model, weights, gguf_path=gguf_src, cache_path=packed_cache_path(where, weights))
-        for m in model.modules():
-            if isinstance(m, QuantLinear):
-                m.prefill_dtype = gemm_dtype
-        if torch_dtype != torch.float32:
-            model.to(torch_dtype)
-            if hasattr(model.model.embed_tokens, "blocks"):
-                model.model.embed_tokens.dtype = torch_dtype
     cfg = model.config
     identity = {
         "name": name,
@@ -454,6 +446,29 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
     }
+    merged = None
+    if delta is not None:
+        from .delta import merge_delta  # noqa: PLC0415
+
+        _record_stored_weights_hash(model, where)  # the base's identity, before the merge changes the weights
+        merged = merge_delta(model, delta, identity)
+    report = None
+    if weights in QUANTIZED_FORMATS:
+        from .packing import pack_model  # noqa: PLC0415
+
+        _record_stored_weights_hash(model, where)
+        report = pack_model(model, weights, gguf_path=gguf_src,
+                            cache_path=packed_cache_path(where, weights) if merged is None else None,
+                            requantize=set(merged["merged"]) if merged is not None else None)
+        for m in model.modules():
+            if isinstance(m, QuantLinear):
+                m.prefill_dtype = gemm_dtype
+        if torch_dtype != torch.float32:
+            model.to(torch_dtype)
+            if hasattr(model.model.embed_tokens, "blocks"):
+                model.model.embed_tokens.dtype = torch_dtype
+    if merged is not None:
+        identity["delta"] = merged["tensors_sha256"]
     return LoadedModel(model, tokenizer, name, Path(where) if isinstance(where, Path) else Path(str(where)),
                        torch_dtype, identity, weights=weights, pack_report=report,
                        load_seconds=time.perf_counter() - t_start, prefill_dtype=gemm_dtype)

@@ -167,7 +167,7 @@ class _GGUFSource:
 PACK_FORMAT_VERSION = 4  # 4: matrices in the kernel layout (groups of 16 rows)
 
 
-def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) -> PackReport:
+def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None, requantize=None) -> PackReport:
     """Replace the decoder layers' projections, the LM head and the embedding of ``model`` in place.
 
     Args:
@@ -176,6 +176,9 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) 
         gguf_path: the GGUF file the model was converted from.
         cache_path: a ``.safetensors`` file of packed weights: read when it exists (no GGUF parsing, no
             quantization), written after packing otherwise. A damaged file is rebuilt.
+        requantize: projections (``layers.<i>.<proj>``) whose float weight changed since loading (a merged delta):
+            with ``native`` they are quantized round-to-nearest into the block format their GGUF tensor has, instead
+            of taking the file's blocks.
 
     Returns:
         a :class:`PackReport` (``report.cached`` tells whether the cache was used). Before any matrix is replaced,
@@ -202,14 +205,14 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None) 
                           f"{exc}); packing again", RuntimeWarning, stacklevel=2)
             mods = None
     if mods is None:
-        mods, report = _convert(model, weights, gguf_path)
+        mods, report = _convert(model, weights, gguf_path, requantize or set())
         if cache_path is not None:
             _save_packed(Path(cache_path), mods, report)
     _install(model, mods)
     return report
 
 
-def _convert(model, weights, gguf_path) -> tuple[dict, PackReport]:
+def _convert(model, weights, gguf_path, requantize=frozenset()) -> tuple[dict, PackReport]:
     cfg = model.config
     src = _GGUFSource(gguf_path, cfg) if weights == "native" else None
     fmt = quant.Q4_1 if weights == "int4" else quant.Q8_0
@@ -231,6 +234,10 @@ def _convert(model, weights, gguf_path) -> tuple[dict, PackReport]:
                     if not src.has(name):
                         raise UnsupportedArchitectureError(f"GGUF file has no tensor {name}; cannot use --weights native")
                     kind, data, f, note = src.get(name)
+                    if f"layers.{i}.{n}" in requantize:  # adapted weights: the original's format, new values
+                        kind, data, f = _from_float(lin.weight, f) if kind == "blocks" else (
+                            "float", lin.weight.detach().float(), None)
+                        note = f"{note.split(':')[0]}: adapted (delta merged), re-quantized to the same format"
                     parts.append((kind, data, f))
                     report.notes[note] = report.notes.get(note, 0) + 1
                 fused = _fuse(parts, linears[0].in_features, _bias(linears))

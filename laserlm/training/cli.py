@@ -195,6 +195,71 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the training report as JSON")
     p.set_defaults(func=cmd_train_draft_head)
 
+    p = subparsers.add_parser(
+        "train-backbone", help="train the backbone (LoRA) so that early exits agree with the full model (a delta file)",
+        description="The seed's joint stage (seed 004 §5.1) with LayerSkip's recipe: exit adapters first with the "
+                    "backbone frozen, then LoRA factors on every projection at 0.01x the adapters' learning rate, "
+                    "with an early-exit KL at every exit point, layer dropout rising with depth, and a KL to the "
+                    "original model's full-depth distribution. Writes a delta file bound to the base model "
+                    "(--delta PATH merges it at load) and a report with the agreement curve.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="defaults and sources:\n"
+               "  LoRA           rank 16, alpha 32 on q/k/v/o/gate/up/down (Hu et al. 2021)\n"
+               "  learning rates adapters 1e-3 (tuned-lens anchor), backbone 0.01x (seed 004), linear warm-up "
+               "(seed 000)\n"
+               "  layer dropout  p_max 0.1, exponential in depth (LayerSkip, Elhoushi et al. 2024)\n"
+               "  clipping       adaptive within 0.2-1.0; gradients normalised across layers (seed 000)\n"
+               "  data           WikiText-2 valid (its last --eval-records records held out) + the model's greedy "
+               "answers to chat questions\n\n"
+               "example:\n  laserlm train-backbone -m smollm2-135m -o smol.delta.safetensors --max-minutes 60\n"
+               "  laserlm calibrate -m smollm2-135m --delta smol.delta.safetensors -o smol.laser.safetensors")
+    add_model_args(p)
+    p.add_argument("--output", "-o", required=True, help="delta file (.safetensors); the report goes beside it (.json)")
+    p.add_argument("--data", "--data-dir", dest="data", default=None, metavar="DIR",
+                   help="data directory (wikitext-2/valid.txt, arc/, piqa/; default: $LASERLM_DATA, else ../shared/data "
+                        "next to a source checkout)")
+    p.add_argument("--seq-len", type=_positive(int, "--seq-len"), default=128, help="tokens per record (default: %(default)s)")
+    p.add_argument("--text-records", type=_positive(int, "--text-records", True), default=None,
+                   help="training records of calibration text (default: all of it but the held-out records)")
+    p.add_argument("--chat-records", type=_positive(int, "--chat-records", True), default=256,
+                   help="records of a chat question and the model's greedy answer (default: %(default)s)")
+    p.add_argument("--eval-records", type=_positive(int, "--eval-records"), default=32,
+                   help="held-out records (the end of the calibration text) for the agreement curve (default: %(default)s)")
+    p.add_argument("--max-tokens", type=_positive(int, "--max-tokens"), default=200_000,
+                   help="training tokens, the frozen part included (default: %(default)s); raise it and rerun to train on")
+    p.add_argument("--max-minutes", type=_positive(float, "--max-minutes"), default=None,
+                   help="stop after this much training time (rerun the same command to resume)")
+    p.add_argument("--frozen-tokens", type=_positive(int, "--frozen-tokens", True), default=16384,
+                   help="first tokens that train the exit adapters alone, backbone frozen (default: %(default)s)")
+    p.add_argument("--rank", type=_positive(int, "--rank"), default=16, help="LoRA rank (default: %(default)s)")
+    p.add_argument("--alpha", type=_positive(float, "--alpha"), default=32.0, help="LoRA alpha (default: %(default)s)")
+    p.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3,
+                   help="exit adapters' learning rate (default: %(default)s)")
+    p.add_argument("--backbone-lr-ratio", type=_positive(float, "--backbone-lr-ratio"), default=0.01,
+                   help="backbone learning rate / --lr (default: %(default)s, seed 004)")
+    p.add_argument("--layer-dropout", type=_positive(float, "--layer-dropout", True), default=0.1,
+                   help="LayerSkip's p_max: the last layer's dropout rate (default: %(default)s)")
+    p.add_argument("--exit-weight", type=_positive(float, "--exit-weight", True), default=1.0,
+                   help="weight of the early-exit KL (default: %(default)s)")
+    p.add_argument("--distill-weight", type=_positive(float, "--distill-weight", True), default=1.0,
+                   help="weight of the last layer's KL to the original model (default: %(default)s)")
+    p.add_argument("--top-k", type=_positive(int, "--top-k"), default=16,
+                   help="teacher tokens per position in the KL (default: %(default)s)")
+    p.add_argument("--batch", type=_positive(int, "--batch"), default=8, help="records per step (default: %(default)s)")
+    p.add_argument("--exits", default=None, metavar="E1,E2,...",
+                   help="exit points (layers run before each; default: every 5 layers from a quarter of the depth)")
+    p.add_argument("--autocast", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="arithmetic of training steps (auto: bfloat16 where this CPU multiplies it natively)")
+    p.add_argument("--eval-every", type=_positive(int, "--eval-every", True), default=32768, metavar="TOKENS",
+                   help="evaluate the held-out curve every this many training tokens (0: only at the end; default: "
+                        "%(default)s)")
+    p.add_argument("--work-dir", default=None, help="checkpoint directory (default: <output>.work); a checkpoint "
+                                                   "there with the same settings is resumed")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=cmd_train_backbone)
+
 
 def cmd_train_draft_head(args) -> int:
     from pathlib import Path  # noqa: PLC0415
@@ -242,6 +307,12 @@ def cmd_train_draft_head(args) -> int:
               f"{report['seconds']:.0f} s; last epoch loss {last['loss']:.4f}, top-1 vs target {last['top1']:.3f}")
         print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def cmd_train_backbone(args) -> int:
+    from .backbone_run import run_train_backbone  # noqa: PLC0415
+
+    return run_train_backbone(args)
 
 
 def config_from_args(args):
