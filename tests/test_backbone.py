@@ -352,3 +352,39 @@ def test_laser_file_of_an_adapted_model_needs_its_delta(smol_delta, tmp_path):
     plain = laserlm.load("smollm2-135m", weights="fp32")
     with pytest.raises(InvalidArgumentError, match="adapted by the delta"):
         load_laser_file(out, plain)
+
+
+def test_calibration_of_an_adapted_model_certifies_against_the_original(tmp_path):
+    """A delta strong enough that the adapted model's own full depth disagrees with the original: the certificate is
+    about the original's tokens, so even full depth cannot certify 0.99 (against its own tokens it would, trivially),
+    and the summary reports how far the adapted model is from the original."""
+    import laserlm
+    from laserlm.depth.laser_file import model_identity
+    from laserlm.models.weights_hash import weights_sha256
+    from laserlm.training.gates import GateTrainConfig
+    from laserlm.training.pipeline import CalibrateConfig, calibrate
+    from laserlm.training.train import HeadTrainConfig
+
+    base = laserlm.load("smollm2-135m", weights="fp32")
+    g = torch.Generator().manual_seed(1)
+    factors = {}
+    for i in (26, 27, 28, 29):
+        factors[f"layers.{i}.down_proj.lora_A"] = torch.randn(4, 1536, generator=g) * 1536 ** -0.5
+        factors[f"layers.{i}.down_proj.lora_B"] = torch.randn(576, 4, generator=g) * 0.5
+    path = save_delta(tmp_path / "strong.safetensors", factors, {}, {
+        "identity": model_identity(base.engine), "weights_sha256": weights_sha256(base.model), "rank": 4,
+        "alpha": 8.0, "targets": ["down_proj"], "exit_points": [], "report": {}})
+    lm = laserlm.load("smollm2-135m", weights="fp32", delta=path)
+    cfg = CalibrateConfig(seq_len=32, train_tokens=128, gate_tokens=64, calib_tokens=256, eval_tokens=128,
+                          heads=HeadTrainConfig(steps=2, batch_tokens=32), gates=GateTrainConfig(steps=2),
+                          predictor=False, router_prompts=0, target_agreement=0.99)
+    s = calibrate(lm, cfg, tmp_path / "a.laser.safetensors", progress=False)
+    held = s["held_out"]
+    assert held["reference"] == "original model (no delta)"
+    assert held["adapted_full_depth_agreement"] < 0.9
+    assert s["calibration"]["threshold"] is None  # full depth itself misses 0.99 against the original
+    assert held["agreement"] == pytest.approx(held["adapted_full_depth_agreement"], abs=1e-4)
+    with pytest.raises(InvalidArgumentError, match="deferred"):
+        calibrate(lm, CalibrateConfig(seq_len=32, train_tokens=128, gate_tokens=64, calib_tokens=256,
+                                      eval_tokens=128, bridge="deferred"), tmp_path / "b.laser.safetensors",
+                  progress=False)

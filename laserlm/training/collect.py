@@ -84,6 +84,9 @@ class ExitStates:
             position's attention distribution with the previous position's; 0 at a chunk's first
             position, like :func:`laserlm.depth.heads.gate_scalars_batch` when it is absent), or ``None``.
         ats_layer: the decoder layer index the ATS was measured at.
+        own_top1: ``[N]`` the model's own full-depth greedy token when ``full_top1`` is another model's (the
+            original a delta adapted, :func:`reference_top1`: certificates are about the model the user chose);
+            ``None`` when ``full_top1`` is the model's own.
     """
 
     exit_points: list[int]
@@ -95,6 +98,7 @@ class ExitStates:
     chunk: torch.Tensor
     ats: torch.Tensor | None = None
     ats_layer: int | None = None
+    own_top1: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.full_top1.shape[0]
@@ -104,7 +108,8 @@ class ExitStates:
         return ExitStates(list(self.exit_points), {e: h[mask] for e, h in self.hidden.items()},
                           dict(self.group_start), self.final_hidden[mask], self.full_top1[mask],
                           self.labels[mask], self.chunk[mask],
-                          self.ats[mask] if self.ats is not None else None, self.ats_layer)
+                          self.ats[mask] if self.ats is not None else None, self.ats_layer,
+                          self.own_top1[mask] if self.own_top1 is not None else None)
 
     def split_chunks(self, fractions: list[float]) -> list[ExitStates]:
         """Split by whole chunks, in order (contiguous text), into parts of the given fractions."""
@@ -127,6 +132,8 @@ class ExitStates:
         if self.ats is not None:
             d["ats"] = self.ats
             d["ats_layer"] = torch.tensor(self.ats_layer)
+        if self.own_top1 is not None:
+            d["own_top1"] = self.own_top1
         return d
 
     @classmethod
@@ -135,7 +142,7 @@ class ExitStates:
         starts = dict(zip(exits, (int(x) for x in d["group_start"].tolist())))
         hidden = {int(k.split(".")[1]): v for k, v in d.items() if k.startswith("hidden.")}
         return cls(exits, hidden, starts, d["final_hidden"], d["full_top1"], d["labels"], d["chunk"],
-                   d.get("ats"), int(d["ats_layer"]) if "ats_layer" in d else None)
+                   d.get("ats"), int(d["ats_layer"]) if "ats_layer" in d else None, d.get("own_top1"))
 
 
 def attention_transition_score(probs: torch.Tensor) -> torch.Tensor:
@@ -209,6 +216,18 @@ def collect_exit_states(engine, token_ids: torch.Tensor, groups, seq_len: int = 
     return ExitStates(exit_points, {k: torch.cat(v) for k, v in hidden.items()}, starts, torch.cat(finals),
                       torch.cat(top1), torch.cat(labels), torch.cat(chunk),
                       torch.cat(ats) if ats_layer is not None else None, ats_layer)
+
+
+@torch.inference_mode()
+def reference_top1(engine, token_ids: torch.Tensor, seq_len: int, progress: bool = True) -> torch.Tensor:
+    """``[n_chunks * seq_len]`` full-depth greedy tokens of ``engine`` (the *original* model) on the chunks that
+    :func:`collect_exit_states` makes of ``token_ids`` (same chunking, same positions)."""
+    n_chunks = (token_ids.shape[0] - 1) // seq_len
+    out = []
+    for c in tqdm(range(n_chunks), desc="original model's tokens", unit="chunk", disable=not progress):
+        ids = token_ids[c * seq_len: (c + 1) * seq_len]
+        out.append(engine.forward(ids.unsqueeze(0), logits="all", use_cache=False).logits[0].argmax(-1))
+    return torch.cat(out)
 
 
 def check_exit_points(exit_points: list[int], num_layers: int) -> None:

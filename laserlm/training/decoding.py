@@ -53,7 +53,8 @@ class PropagateDecoding:
         engine: the model's engine; ``groups``, ``heads`` (exit layer -> ExitHead), ``gates`` (exit layer ->
             ExitGate), ``ats_layer``: the calibrated modules.
         seqs: the calibration chunks (:func:`chunk_sequences`); ``data``: their :class:`ExitStates`
-            (full-model greedy tokens); ``full_nll [N]``: the full model's NLL per position.
+            (full-model greedy tokens: the original model's when ``data.own_top1`` holds an adapted model's own, and
+            then full depth itself has a loss); ``full_nll [N]``: the full model's NLL per position.
         kind: ``agreement`` (loss = exit/decoded token differs from the full model's) or ``ppl_increase``
             (loss = NLL increase).
         batch: sequences decoded side by side.
@@ -71,6 +72,7 @@ class PropagateDecoding:
         self.engine, self.groups, self.heads, self.gates, self.ats_layer = engine, groups, heads, gates, ats_layer
         self.policy_at = policy_at if policy_at is not None else (lambda lam: GatePolicy(self.gates, lam))
         self.seqs, self.full_top1, self.full_nll, self.kind = seqs, data.full_top1, full_nll, kind
+        self.own_top1 = data.own_top1  # an adapted model's own full-depth tokens (full_top1: the original's)
         self.batch, self.progress = batch, progress
         self.last_layers = None
         self.cache_file = cache_file
@@ -106,6 +108,9 @@ class PropagateDecoding:
         if threshold >= 1.0:  # probabilities never exceed 1: nobody exits, decoding is full depth
             n = self.full_top1.shape[0] if self.count is None else int(self.count.sum())
             self.last_layers = torch.full((n,), float(self.groups.num_layers))
+            if self.own_top1 is not None and self.kind == "agreement":  # full depth of an adapted model vs the original
+                losses = (self.own_top1 != self.full_top1).double()
+                return (losses if self.count is None else losses[self.count]), 0.0
             return torch.zeros(n, dtype=torch.float64), 0.0
         argmax, nll, layers = self.decode(threshold)
         if self.kind == "agreement":

@@ -155,8 +155,26 @@ def _collect(ctx):
     cfg = ctx["cfg"]
     states = collect_exit_states(ctx["engine"], ctx["tokens"][:ctx["n_tok"]], ctx["groups"], cfg.seq_len,
                                  ctx["ats_layer"], ctx["progress"])
+    if ctx["adapted"]:  # certify against the model the user chose: the original's tokens are the reference
+        states.own_top1 = states.full_top1
+        states.full_top1 = _original_top1(ctx)
     _set_states(ctx, states)
     return {"states": states.state_dict()}
+
+
+def _original_top1(ctx) -> torch.Tensor:
+    """The original model's (no delta) full-depth tokens on the collected chunks, same weight format."""
+    from ..models.loader import load_model  # noqa: PLC0415
+    from ..runtime.engine import Engine  # noqa: PLC0415
+    from .collect import reference_top1  # noqa: PLC0415
+
+    lm = ctx["lm"]
+    _say("loading the original model (no delta): thresholds are certified against its tokens", ctx["progress"])
+    orig = load_model(lm.loaded.name, dtype=lm.engine.dtype, progress=ctx["progress"], weights=lm.loaded.weights,
+                      prefill_dtype=lm.loaded.prefill_dtype)
+    engine = Engine(orig.model, max_seq_len=lm.engine.max_seq_len)
+    with decode_products(engine):
+        return reference_top1(engine, ctx["tokens"][:ctx["n_tok"]], ctx["cfg"].seq_len, ctx["progress"])
 
 
 def _load_collect(ctx, saved):
@@ -476,6 +494,11 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
     measured["exit_histogram"] = {str(e): int((dec == i).sum()) for i, e in enumerate(exits)}
     measured["exit_histogram"][str(engine.num_layers)] = int((dec == len(exits)).sum())
     bias = shallow_exit_bias(dec, held_loss, len(exits), allowed=(1 - cfg.target_agreement) if kind == "agreement" else None)
+    if ctx["adapted"]:  # what the certificate is relative to, and how far the adapted model's full depth is from it
+        own = held.own_top1 if h_count is None else held.own_top1[h_count]
+        ref = held.full_top1 if h_count is None else held.full_top1[h_count]
+        measured["reference"] = "original model (no delta)"
+        measured["adapted_full_depth_agreement"] = round(float((own == ref).double().mean()), 5)
     if kind == "agreement":
         measured["agreement"] = round(1 - float(held_loss.mean()), 5)
         measured["target_met"] = bool(measured["agreement"] >= cfg.target_agreement)
@@ -583,6 +606,13 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     cfg.validate()
     t_start = time.perf_counter()
     engine = lm.engine
+    from ..models.delta import ATTRIBUTE as DELTA  # noqa: PLC0415
+
+    adapted = engine.model.__dict__.get(DELTA) is not None
+    if adapted and (cfg.bridge != "propagate" or cfg.target_agreement is None):
+        raise InvalidArgumentError("on a model adapted by a delta, calibrate certifies agreement with the original "
+                                   "model under propagate decoding; --bridge deferred and --max-ppl-increase are not "
+                                   "supported there yet")
     L = engine.num_layers
     groups = make_groups(cfg.groups, L, cfg.min_depth)
     exits = groups.exit_points
@@ -613,7 +643,7 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
            "ats_layer": (exits[0] - 1) if cfg.use_ats else None, "teacher": engine.head,
            "head_curve": [], "router": None, "router_report": None, "g_out": None, "counted": counted,
            "predictor": None, "predictor_report": None,
-           "text_report": text_report}
+           "text_report": text_report, "adapted": adapted}
     runner = StageRunner(work, list(STAGES), resume=resume, say=lambda m: _say(m, progress))
     with decode_products(engine):  # one arithmetic for references and decoding (see decode_products)
         runner.run(ctx)
