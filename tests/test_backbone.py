@@ -296,7 +296,8 @@ def smol_delta(tmp_path_factory):
     from laserlm.models.weights_hash import weights_sha256
 
     path = tmp_path_factory.mktemp("delta") / "smol.delta.safetensors"
-    save_delta(path, factors, {}, {"identity": model_identity(ref.engine), "weights_sha256": weights_sha256(ref.model),
+    adapters = {"10.weight": torch.eye(576) + 0.01 * torch.randn(576, 576, generator=g), "10.bias": torch.zeros(576)}
+    save_delta(path, factors, adapters, {"identity": model_identity(ref.engine), "weights_sha256": weights_sha256(ref.model),
                                    "rank": 4, "alpha": 8.0, "targets": ["q_proj", "gate_proj", "down_proj"],
                                    "exit_points": [], "report": {}})
     return ref, path
@@ -348,6 +349,13 @@ def test_laser_file_of_an_adapted_model_needs_its_delta(smol_delta, tmp_path):
     out = save_laser_file(tmp_path / "a.laser.safetensors", adapted, art)
     meta, _ = read_metadata(out)
     assert delta_file_of(meta, out).resolve() == path.resolve()
+    # calibration's exit heads start from the adapters the delta trained with the backbone
+    from laserlm.training.pipeline import CalibrateConfig, _new_heads
+
+    heads = _new_heads({"cfg": CalibrateConfig(), "engine": adapted.engine, "exits": [10, 15]})
+    f, adapters, _ = read_delta(path)
+    assert torch.equal(heads["10"].proj.weight, adapters["10.weight"])
+    assert torch.equal(heads["15"].proj.weight, torch.eye(576))  # no adapter for 15 in this delta: identity
     load_laser_file(out, adapted)  # the model it was made on
     plain = laserlm.load("smollm2-135m", weights="fp32")
     with pytest.raises(InvalidArgumentError, match="adapted by the delta"):

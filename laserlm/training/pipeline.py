@@ -189,8 +189,21 @@ def _collect_settings(ctx):
 
 
 def _new_heads(ctx):
+    """Identity-initialised exit heads; on a model adapted by a delta, an affine head at an exit point the delta trained
+    an adapter for starts from that adapter (trained jointly with the backbone; the head stage goes on from it)."""
     cfg = ctx["cfg"]
-    return make_exit_heads(ctx["engine"], ctx["exits"], cfg.adapter, cfg.rank)
+    heads = make_exit_heads(ctx["engine"], ctx["exits"], cfg.adapter, cfg.rank)
+    path = ctx["engine"].model.__dict__.get("laserlm_delta_path")
+    if path is not None and cfg.adapter == "affine":
+        from ..models.delta import read_delta  # noqa: PLC0415
+
+        _, adapters, _ = read_delta(path)
+        with torch.no_grad():
+            for e in ctx["exits"]:
+                if f"{e}.weight" in adapters:
+                    heads[str(e)].proj.weight.copy_(adapters[f"{e}.weight"])
+                    heads[str(e)].proj.bias.copy_(adapters[f"{e}.bias"])
+    return heads
 
 
 def _heads(ctx):
