@@ -60,7 +60,7 @@ def main() -> None:
     for name, weights, delta in (("original_fp32", "fp32", None), ("original_native", "native", None),
                                  ("adapted_fp32", "fp32", args.delta), ("adapted_native", "native", args.delta)):
         t = time.perf_counter()
-        lm = laserlm.load(args.model, weights=weights, delta=delta)
+        lm = laserlm.load(args.model, weights=weights, lora=delta)
         top, nll = run(lm, ids, args.chunk)
         res[name] = {"top1": top, "ppl": math.exp(float(nll.double().mean())), "seconds": time.perf_counter() - t}
         del lm

@@ -247,7 +247,7 @@ class _Replay:
 
 
 def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,
-         attention=None, weights: str = "auto", prefill_dtype: str = "auto", delta=None,
+         attention=None, weights: str = "auto", prefill_dtype: str = "auto", lora=None,
          **attention_options) -> LaserLM:
     """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id.
 
@@ -260,7 +260,7 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
     dequantized matrix): how quantized weights multiply prompt chunks of more than 16 positions
     (:func:`laserlm.models.quant.resolve_prefill_dtype`).
 
-    ``delta``: a delta file from ``laserlm train-backbone`` (LoRA factors bound to this base model), merged into the
+    ``lora``: a LoRA delta file from ``laserlm train-backbone`` (LoRA factors bound to this base model), merged into the
     weights before packing (:mod:`laserlm.models.delta`); a laser file calibrated on the adapted model needs it.
 
     ``attention``: ``None``/``"dense"`` or ``"sparse[:key=value,...]"``; ``attention_options`` (e.g.
@@ -274,5 +274,5 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
         InvalidArgumentError (bad dtype or attention options).
     """
-    loaded = load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype, delta=delta)
+    loaded = load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype, lora=lora)
     return LaserLM(loaded, max_seq_len=max_seq_len, attention=attention, **attention_options)

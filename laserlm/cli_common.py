@@ -50,8 +50,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx-size", "-c", type=int, default=None,
                    help="context size of the KV cache in tokens (default: min(4096, model limit))")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--delta", default=None, metavar="PATH",
-                   help="a delta file from `laserlm train-backbone` merged into the weights at load (a --laser file "
+    p.add_argument("--lora", default=None, metavar="PATH",
+                   help="a LoRA delta file from `laserlm train-backbone`, merged into the weights at load (a --laser file "
                         "calibrated on the adapted model loads its delta by itself)")
     add_attention_args(p)
 
@@ -145,22 +145,22 @@ def load_from_args(args):
 
     apply_threads(args)
     return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, weights=getattr(args, "weights", "auto"),
-                prefill_dtype=getattr(args, "prefill_dtype", "auto"), delta=delta_from_args(args),
+                prefill_dtype=getattr(args, "prefill_dtype", "auto"), lora=lora_from_args(args),
                 **attention_kwargs(args))
 
 
-def delta_from_args(args):
-    """``--delta PATH``, else the delta a ``--laser`` file names (it was calibrated on the adapted model), else None.
+def lora_from_args(args):
+    """``--lora PATH``, else the delta a ``--laser`` file names (it was calibrated on the adapted model), else None.
 
     Raises:
-        InvalidArgumentError: ``--delta`` names no file, or the laser file's delta is missing.
+        InvalidArgumentError: ``--lora`` names no file, or the laser file's delta is missing.
     """
     from pathlib import Path  # noqa: PLC0415
 
-    delta = getattr(args, "delta", None)
+    delta = getattr(args, "lora", None)
     if delta is not None:
         if not Path(delta).is_file():
-            raise InvalidArgumentError(f"--delta {delta}: no such file")
+            raise InvalidArgumentError(f"--lora {delta}: no such file")
         return delta
     laser = getattr(args, "laser", None)
     if not laser or not Path(laser).is_file():
@@ -171,7 +171,7 @@ def delta_from_args(args):
     found = delta_file_of(meta, laser)
     if found is not None and not found.is_file():
         raise InvalidArgumentError(f"{laser} was calibrated on the model adapted by the delta {found}, which is missing; "
-                                   "put the delta file there or give --delta PATH")
+                                   "put the delta file there or give --lora PATH")
     return found
 
 

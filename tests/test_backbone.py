@@ -309,7 +309,7 @@ def test_merged_then_packed_matrices_stay_within_the_quantization_bound(smol_del
     import laserlm
 
     ref, path = smol_delta
-    adapted = laserlm.load("smollm2-135m", weights="native", delta=path)
+    adapted = laserlm.load("smollm2-135m", weights="native", lora=path)
     plain = laserlm.load("smollm2-135m", weights="native")
     f, _, meta = read_delta(path)
     layers_ref, layers_new, layers_plain = ref.engine.adapter.layers, adapted.engine.adapter.layers, \
@@ -328,11 +328,11 @@ def test_merged_then_packed_matrices_stay_within_the_quantization_bound(smol_del
     # k/v rows of layer 3 and all of layer 4 are the file's own blocks
     assert torch.equal(layers_new[3].laserlm_packed.qkv.weight[576:], layers_plain[3].laserlm_packed.qkv.weight[576:])
     assert torch.equal(layers_new[4].laserlm_packed.gate_up.weight, layers_plain[4].laserlm_packed.gate_up.weight)
-    assert adapted.loaded.identity["delta"] == meta["tensors_sha256"]
+    assert adapted.loaded.identity["lora"] == meta["tensors_sha256"]
     # the float merged model and the packed one agree on the next token as closely as the base model's two formats
     ids = adapted.tokenizer("The capital of France is Paris, and the capital of Germany is", return_tensors="pt")[
         "input_ids"]
-    fl = laserlm.load("smollm2-135m", weights="fp32", delta=path)
+    fl = laserlm.load("smollm2-135m", weights="fp32", lora=path)
     a = adapted.engine.forward(ids, logits="all", use_cache=False).logits[0].argmax(-1)
     b = fl.engine.forward(ids, logits="all", use_cache=False).logits[0].argmax(-1)
     assert float((a == b).float().mean()) >= 0.8
@@ -344,7 +344,7 @@ def test_laser_file_of_an_adapted_model_needs_its_delta(smol_delta, tmp_path):
     from laserlm.depth.laser_file import LaserArtifact, delta_file_of, load_laser_file, read_metadata, save_laser_file
 
     _, path = smol_delta
-    adapted = laserlm.load("smollm2-135m", weights="fp32", delta=path)
+    adapted = laserlm.load("smollm2-135m", weights="fp32", lora=path)
     art = LaserArtifact(heads={10: ExitHead(adapted.engine.adapter)}, gates={}, thresholds={}, config={})
     out = save_laser_file(tmp_path / "a.laser.safetensors", adapted, art)
     meta, _ = read_metadata(out)
@@ -382,7 +382,7 @@ def test_calibration_of_an_adapted_model_certifies_against_the_original(tmp_path
     path = save_delta(tmp_path / "strong.safetensors", factors, {}, {
         "identity": model_identity(base.engine), "weights_sha256": weights_sha256(base.model), "rank": 4,
         "alpha": 8.0, "targets": ["down_proj"], "exit_points": [], "report": {}})
-    lm = laserlm.load("smollm2-135m", weights="fp32", delta=path)
+    lm = laserlm.load("smollm2-135m", weights="fp32", lora=path)
     cfg = CalibrateConfig(seq_len=32, train_tokens=128, gate_tokens=64, calib_tokens=256, eval_tokens=128,
                           heads=HeadTrainConfig(steps=2, batch_tokens=32), gates=GateTrainConfig(steps=2),
                           predictor=False, router_prompts=0, target_agreement=0.99)

@@ -119,25 +119,25 @@ def check_delta(meta: dict, engine, path: str = "laser file") -> None:
     :mod:`laserlm.models.delta`) meets the model without that delta, or the reverse."""
     from ..models.delta import ATTRIBUTE  # noqa: PLC0415
 
-    theirs = (meta.get("delta") or {}).get("sha256")
+    theirs = (meta.get("lora") or {}).get("sha256")
     mine = engine.model.__dict__.get(ATTRIBUTE)
     if theirs == mine:
         return
     if theirs is not None:
-        file = (meta.get("delta") or {}).get("file", "?")
+        file = (meta.get("lora") or {}).get("file", "?")
         raise InvalidArgumentError(
             f"{path} was made on the model adapted by the delta {file} ({theirs[:12]}...), but "
             + ("this model carries no delta" if mine is None else f"this model carries another delta ({mine[:12]}...)")
-            + f"; load the model with that delta: --delta {file} (the CLI's --laser loads it by itself), or "
-              f"laserlm.load(..., delta='{file}')")
+            + f"; load the model with that delta: --lora {file} (the CLI's --laser loads it by itself), or "
+              f"laserlm.load(..., lora='{file}')")
     raise InvalidArgumentError(
         f"{path} was made on the model without a delta, but this model carries one ({mine[:12]}...); load the model "
-        "without --delta, or calibrate the adapted model (`laserlm calibrate --delta FILE`)")
+        "without --lora, or calibrate the adapted model (`laserlm calibrate --lora FILE`)")
 
 
 def delta_file_of(meta: dict, path) -> Path | None:
     """The delta file a laser file's metadata names (resolved next to the laser file when relative), or ``None``."""
-    d = meta.get("delta")
+    d = meta.get("lora")
     if not d or not d.get("file"):
         return None
     f = Path(d["file"])
@@ -203,7 +203,7 @@ def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) 
             file = os.path.relpath(src, path.parent.resolve())
         except ValueError:  # another drive
             file = str(src)
-        meta["delta"] = {"sha256": digest, "file": file}
+        meta["lora"] = {"sha256": digest, "file": file}
     meta["tensors_sha256"] = tensors_digest(tensors)
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"laserlm": json.dumps(meta)})

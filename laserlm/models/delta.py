@@ -1,6 +1,6 @@
 """Delta files: a backbone adaptation (LoRA factors, :mod:`laserlm.training.lora`) bound to the base model it adapts.
 
-``laserlm train-backbone`` writes one; ``laserlm.load(..., delta=PATH)`` / ``--delta PATH`` (and a laser file that
+``laserlm train-backbone`` writes one; ``laserlm.load(..., lora=PATH)`` / ``--lora PATH`` (and a laser file that
 names one) merge it into the float weights before packing (:func:`laserlm.models.loader.load_model`).
 
 File format (safetensors):

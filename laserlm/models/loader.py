@@ -358,7 +358,7 @@ def resolve_weights(weights: str | None, dtype, from_gguf: bool) -> tuple[str, t
 
 
 def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool = True,
-               weights: str | None = "auto", prefill_dtype: str | None = "auto", delta=None) -> LoadedModel:
+               weights: str | None = "auto", prefill_dtype: str | None = "auto", lora=None) -> LoadedModel:
     """Load a supported causal LM and its tokenizer for laserlm.
 
     Args:
@@ -372,7 +372,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
             quantized weights multiply prompt chunks of more than 16 positions; int16 = the block kernels of a decode
             step (auto, where they are built), float32 / bfloat16 = a GEMM over the dequantized matrix
             (:func:`laserlm.models.quant.resolve_prefill_dtype`). Float weights ignore ``auto``.
-        delta: a delta file (``laserlm train-backbone``, :mod:`laserlm.models.delta`) merged into the float weights
+        lora: a LoRA delta file (``laserlm train-backbone``, :mod:`laserlm.models.delta`) merged into the float weights
             before packing; quantized formats then quantize each adapted matrix into the format its original had
             (native: the GGUF tensor's own block format), the others stay as stored. The model's weights hash stays
             the base's; the delta's digest is recorded beside it.
@@ -447,11 +447,11 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
         "vocab_size": cfg.vocab_size,
     }
     merged = None
-    if delta is not None:
+    if lora is not None:
         from .delta import merge_delta  # noqa: PLC0415
 
         _record_stored_weights_hash(model, where)  # the base's identity, before the merge changes the weights
-        merged = merge_delta(model, delta, identity)
+        merged = merge_delta(model, lora, identity)
     report = None
     if weights in QUANTIZED_FORMATS:
         from .packing import pack_model  # noqa: PLC0415
@@ -468,7 +468,7 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
             if hasattr(model.model.embed_tokens, "blocks"):
                 model.model.embed_tokens.dtype = torch_dtype
     if merged is not None:
-        identity["delta"] = merged["tensors_sha256"]
+        identity["lora"] = merged["tensors_sha256"]
     return LoadedModel(model, tokenizer, name, Path(where) if isinstance(where, Path) else Path(str(where)),
                        torch_dtype, identity, weights=weights, pack_report=report,
                        load_seconds=time.perf_counter() - t_start, prefill_dtype=gemm_dtype)

@@ -110,8 +110,8 @@ def run_train_backbone(args) -> int:
                                    "is merged into any weight format at load)")
     if args.dtype not in (None, "float32"):
         raise InvalidArgumentError("train-backbone runs in float32 (use --autocast bfloat16 for bfloat16 arithmetic)")
-    if getattr(args, "delta", None) is not None:
-        raise InvalidArgumentError("train-backbone trains a delta for the original model; --delta (training on top of "
+    if getattr(args, "lora", None) is not None:
+        raise InvalidArgumentError("train-backbone trains a delta for the original model; --lora (training on top of "
                                    "another delta) is not supported: resume the earlier run with a larger --max-tokens")
     if args.backbone_lr_ratio > 1:
         raise InvalidArgumentError(f"--backbone-lr-ratio must be in (0, 1], got {args.backbone_lr_ratio}")

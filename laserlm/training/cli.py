@@ -201,7 +201,7 @@ def add_parser(subparsers) -> None:
                     "backbone frozen, then LoRA factors on every projection at 0.01x the adapters' learning rate, "
                     "with an early-exit KL at every exit point, layer dropout rising with depth, and a KL to the "
                     "original model's full-depth distribution. Writes a delta file bound to the base model "
-                    "(--delta PATH merges it at load) and a report with the agreement curve.",
+                    "(--lora PATH merges it at load) and a report with the agreement curve.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="defaults and sources:\n"
                "  LoRA           rank 16, alpha 32 on q/k/v/o/gate/up/down (Hu et al. 2021)\n"
@@ -212,7 +212,7 @@ def add_parser(subparsers) -> None:
                "  data           WikiText-2 valid (its last --eval-records records held out) + the model's greedy "
                "answers to chat questions\n\n"
                "example:\n  laserlm train-backbone -m smollm2-135m -o smol.delta.safetensors --max-minutes 60\n"
-               "  laserlm calibrate -m smollm2-135m --delta smol.delta.safetensors -o smol.laser.safetensors")
+               "  laserlm calibrate -m smollm2-135m --lora smol.delta.safetensors -o smol.laser.safetensors")
     add_model_args(p)
     p.add_argument("--output", "-o", required=True, help="delta file (.safetensors); the report goes beside it (.json)")
     p.add_argument("--data", "--data-dir", dest="data", default=None, metavar="DIR",
