@@ -27,6 +27,9 @@ from ..errors import CorruptModelError, InvalidArgumentError
 FORMAT = "laserlm-delta"
 VERSION = 1
 META_KEY = "laserlm_delta"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_OWNER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ATTRIBUTE = "laserlm_delta_sha256"  # set on a model whose weights carry a merged delta
 PATH_ATTRIBUTE = "laserlm_delta_path"   # the file it came from (a laser file made on the model names it)
 
@@ -118,6 +121,43 @@ def check_base(meta: dict, base_sha256: str, identity: dict, path) -> None:
             "`laserlm train-backbone`")
 
 
+def merge_factors(model, factors: dict[str, torch.Tensor], scale: float) -> list[str]:
+    """Add ``scale * B @ A`` (computed in float64) to each named projection's float weight of ``model``, in place.
+
+    Args:
+        factors: ``{"layers.<i>.<proj>.lora_A": [r, in], "...lora_B": [out, r]}``.
+        scale: ``alpha / r``.
+
+    Returns the merged projection names (``layers.<i>.<proj>``).
+
+    Raises:
+        InvalidArgumentError: a factor names an unknown layer or projection, lacks its partner, or has the wrong
+            shape for that projection.
+    """
+    decoder = model.model.layers
+    names = sorted({k.rsplit(".", 1)[0] for k in factors})
+    merged = []
+    with torch.no_grad():
+        for name in names:
+            parts = name.split(".")
+            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in LORA_TARGETS:
+                raise InvalidArgumentError(f"delta names an unknown projection '{name}'")
+            i = int(parts[1])
+            if i >= len(decoder):
+                raise InvalidArgumentError(f"delta names layer {i}, but the model has {len(decoder)} layers")
+            a, b = factors.get(f"{name}.lora_A"), factors.get(f"{name}.lora_B")
+            if a is None or b is None:
+                raise InvalidArgumentError(f"delta has only one factor of '{name}'")
+            lin = getattr(getattr(decoder[i], LORA_OWNER[parts[2]]), parts[2])
+            w = lin.weight
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or tuple(w.shape) != (b.shape[0], a.shape[1]):
+                raise InvalidArgumentError(f"delta factors of '{name}' have shapes {tuple(a.shape)} / {tuple(b.shape)}, "
+                                           f"which do not fit the weight {tuple(w.shape)}")
+            w.copy_((w.double() + scale * (b.double() @ a.double())).to(w.dtype))
+            merged.append(name)
+    return merged
+
+
 def merge_delta(model, path, identity: dict) -> dict:
     """Check and merge the delta file at ``path`` into the float weights of ``model`` (before packing); records the
     delta's digest on the model (:data:`ATTRIBUTE`). Returns the delta's metadata with ``merged`` (projection names).
@@ -125,7 +165,6 @@ def merge_delta(model, path, identity: dict) -> dict:
     Raises:
         InvalidArgumentError, CorruptModelError: see :func:`read_delta` and :func:`check_base`.
     """
-    from ..training.lora import merge_factors  # noqa: PLC0415
     from .weights_hash import weights_sha256  # noqa: PLC0415
 
     factors, _, meta = read_delta(path)
@@ -136,4 +175,4 @@ def merge_delta(model, path, identity: dict) -> dict:
     return {**meta, "merged": merged, "path": str(path)}
 
 
-__all__ = ["check_base", "delta_digest", "merge_delta", "read_delta", "save_delta", "tensors_sha256"]
+__all__ = ["LORA_OWNER", "LORA_TARGETS", "check_base", "delta_digest", "merge_delta", "merge_factors", "read_delta", "save_delta", "tensors_sha256"]

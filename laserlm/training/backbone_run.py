@@ -101,10 +101,7 @@ def run_train_backbone(args) -> int:
     from ..models.weights_hash import weights_sha256  # noqa: PLC0415
     from .backbone import (BackboneConfig, _records_digest, evaluate_exits, reference_outputs,  # noqa: PLC0415
                            teacher_topk, train_backbone)
-    from .cli import check_output_paths  # noqa: PLC0415
-
-    out = Path(args.output)
-    check_output_paths(out, args.work_dir)
+    out = Path(args.output)  # checked by the caller (laserlm.training.cli)
     if args.weights not in ("auto", "fp32"):
         raise InvalidArgumentError(f"train-backbone trains on float32 weights; drop --weights {args.weights} (the delta "
                                    "is merged into any weight format at load)")

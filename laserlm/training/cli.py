@@ -312,6 +312,7 @@ def cmd_train_draft_head(args) -> int:
 def cmd_train_backbone(args) -> int:
     from .backbone_run import run_train_backbone  # noqa: PLC0415
 
+    check_output_paths(args.output, args.work_dir)
     return run_train_backbone(args)
 
 

@@ -17,10 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from ..models.delta import LORA_OWNER as _OWNER, LORA_TARGETS, merge_factors  # noqa: F401  (re-exported)
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_OWNER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 class LoRALinear(nn.Module):
@@ -155,43 +153,6 @@ def unwrap_lora(model) -> None:
             m = getattr(owner, proj, None)
             if isinstance(m, LoRALinear):
                 setattr(owner, proj, m.base)
-
-
-def merge_factors(model, factors: dict[str, torch.Tensor], scale: float) -> list[str]:
-    """Add ``scale * B @ A`` (computed in float64) to each named projection's float weight of ``model``, in place.
-
-    Args:
-        factors: ``{"layers.<i>.<proj>.lora_A": [r, in], "...lora_B": [out, r]}``.
-        scale: ``alpha / r``.
-
-    Returns the merged projection names (``layers.<i>.<proj>``).
-
-    Raises:
-        InvalidArgumentError: a factor names an unknown layer or projection, lacks its partner, or has the wrong
-            shape for that projection.
-    """
-    decoder = _decoder_layers(model)
-    names = sorted({k.rsplit(".", 1)[0] for k in factors})
-    merged = []
-    with torch.no_grad():
-        for name in names:
-            parts = name.split(".")
-            if len(parts) != 3 or parts[0] != "layers" or not parts[1].isdigit() or parts[2] not in LORA_TARGETS:
-                raise InvalidArgumentError(f"delta names an unknown projection '{name}'")
-            i = int(parts[1])
-            if i >= len(decoder):
-                raise InvalidArgumentError(f"delta names layer {i}, but the model has {len(decoder)} layers")
-            a, b = factors.get(f"{name}.lora_A"), factors.get(f"{name}.lora_B")
-            if a is None or b is None:
-                raise InvalidArgumentError(f"delta has only one factor of '{name}'")
-            lin = getattr(getattr(decoder[i], _OWNER[parts[2]]), parts[2])
-            w = lin.weight
-            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or tuple(w.shape) != (b.shape[0], a.shape[1]):
-                raise InvalidArgumentError(f"delta factors of '{name}' have shapes {tuple(a.shape)} / {tuple(b.shape)}, "
-                                           f"which do not fit the weight {tuple(w.shape)}")
-            w.copy_((w.double() + scale * (b.double() @ a.double())).to(w.dtype))
-            merged.append(name)
-    return merged
 
 
 __all__ = ["LORA_TARGETS", "LoRALinear", "apply_lora", "check_lora_args", "load_factors", "lora_factors",
