@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
                         "else groups of 5)")
     o.add_argument("--laser", default=None, metavar="PATH",
                    help="laser file from `laserlm calibrate`: exports its exit heads, records its gates and thresholds")
+    o.add_argument("--lora", default=None, metavar="PATH",
+                   help="a LoRA delta file from `laserlm train-backbone`, merged into the exported weights (a --laser "
+                        "file calibrated on the adapted model names its delta; it is used by itself)")
     o.add_argument("--weights", "-w", default="fp32", choices=["fp32", "native", "int4", "int8"],
                    help="matrix weights in the graphs: fp32 (the exactness reference), or the Q4_1 / Q8_0 blocks that "
                         "the PyTorch engine runs with this --weights, as onnxruntime MatMulNBits (native: the GGUF "
@@ -76,8 +79,12 @@ def cmd_export_onnx(args) -> int:
     apply_threads(args)
     from ..api import load  # noqa: PLC0415
 
-    lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None)
-    packed = None if args.weights == "fp32" else load(args.model, dtype="float32", weights=args.weights).engine
+    from ..cli_common import lora_from_args  # noqa: PLC0415
+
+    lora = lora_from_args(args)
+    lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None, lora=lora)
+    packed = None if args.weights == "fp32" else load(args.model, dtype="float32", weights=args.weights,
+                                                      lora=lora).engine
     max_len = min(args.max_len, lm.engine.max_seq_len)
     man = export_onnx(lm.engine, out, groups=args.groups, laser=args.laser, max_batch=max_batch, max_len=max_len,
                       progress=not args.no_progress, tokenizer=lm.tokenizer, packed=packed,

@@ -50,6 +50,7 @@ class ServerSettings:
         served_model_name: the name clients send as ``model`` (default: ``model``).
         mode: the default mode spec; ``laser`` adds a laser file to it as ``laserlm generate --laser`` does.
         allowed_modes: further mode specs a request may name in its ``mode`` field (all built at startup).
+        lora: a LoRA delta file merged into the weights at load (``--lora``; the CLI fills it from the laser file).
         weights, prefill_dtype, dtype, ctx_size, threads: as ``laserlm generate``.
         kv_budget, max_batch, max_queue, page_size, prefill_chunk, eviction, prefix_cache: the KV pool and
             scheduler (:class:`~laserlm.runtime.scheduler.BatchConfig`).
@@ -63,6 +64,7 @@ class ServerSettings:
     mode: str = "full"
     allowed_modes: list[str] = field(default_factory=list)
     laser: str | None = None
+    lora: str | None = None
     weights: str = "auto"
     prefill_dtype: str = "auto"
     dtype: str | None = None
@@ -129,7 +131,7 @@ def load_state(settings: ServerSettings, lm=None) -> ServerState:
                 raise InvalidArgumentError(f"--threads must be >= 1, got {settings.threads}")
             torch.set_num_threads(settings.threads)
         lm = load(settings.model, dtype=settings.dtype, max_seq_len=settings.ctx_size, weights=settings.weights,
-                  prefill_dtype=settings.prefill_dtype)
+                  prefill_dtype=settings.prefill_dtype, lora=settings.lora)
     modes = {spec: lm.mode(spec) for spec in settings.mode_specs()}
     scheduler = lm.scheduler(kv_budget=settings.kv_budget, **settings.batch_options())
     for m in modes.values():  # the scheduler's own refusals (eviction + speculative, sparse attention) at startup

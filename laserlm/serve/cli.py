@@ -62,8 +62,11 @@ def settings_from_args(args):
         raise LaserLMError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     if args.replicas is not None and args.replicas < 1:
         raise LaserLMError(f"--replicas must be >= 1, got {args.replicas}")
+    from ..cli_common import lora_from_args  # noqa: PLC0415
+
+    lora = lora_from_args(args)  # --lora, or the delta a --laser file was calibrated with
     return ServerSettings(
-        model=args.model, served_model_name=args.served_model_name, mode=args.mode, allowed_modes=args.allow_mode,
+        model=args.model, lora=None if lora is None else str(lora), served_model_name=args.served_model_name, mode=args.mode, allowed_modes=args.allow_mode,
         laser=args.laser, weights=args.weights, prefill_dtype=args.prefill_dtype, dtype=args.dtype, ctx_size=args.ctx_size, threads=args.threads,
         kv_budget=args.kv_budget, max_batch=args.max_batch, max_queue=args.max_queue, page_size=args.page_size,
         prefill_chunk=args.prefill_chunk, eviction=args.eviction, prefix_cache=not args.no_prefix_cache,
