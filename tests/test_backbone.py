@@ -360,6 +360,20 @@ def test_laser_file_of_an_adapted_model_needs_its_delta(smol_delta, tmp_path):
     plain = laserlm.load("smollm2-135m", weights="fp32")
     with pytest.raises(InvalidArgumentError, match="adapted by the delta"):
         load_laser_file(out, plain)
+    # the CLI's --laser finds the delta the file names; --lora wins; a moved delta is a clear error
+    from argparse import Namespace
+
+    from laserlm.cli_common import lora_from_args
+
+    assert lora_from_args(Namespace(lora=None, laser=str(out))).resolve() == path.resolve()
+    assert lora_from_args(Namespace(lora=str(path), laser=None)) == str(path)
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    (moved / out.name).write_bytes(out.read_bytes())
+    with pytest.raises(InvalidArgumentError, match="which is missing"):
+        lora_from_args(Namespace(lora=None, laser=str(moved / out.name)))
+    with pytest.raises(InvalidArgumentError, match="no such file"):
+        lora_from_args(Namespace(lora=str(tmp_path / "nope.safetensors"), laser=None))
 
 
 def test_calibration_of_an_adapted_model_certifies_against_the_original(tmp_path):
