@@ -145,15 +145,11 @@ def delta_file_of(meta: dict, path) -> Path | None:
 
 
 def tensors_digest(tensors: dict) -> str:
-    """sha256 over a laser file's tensors (names, dtypes, shapes and bytes, in name order): detects damaged data."""
-    import hashlib  # noqa: PLC0415
+    """sha256 over a laser file's tensors (names, dtypes, shapes and bytes, in name order): detects damaged data. The
+    same checksum as delta files' (:func:`laserlm.models.delta.tensors_sha256`)."""
+    from ..models.delta import tensors_sha256  # noqa: PLC0415
 
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return tensors_sha256(tensors)
 
 
 def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) -> Path:

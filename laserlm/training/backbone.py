@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
 from .lora import LORA_TARGETS, apply_lora, check_lora_args, load_factors, lora_factors
-from .train import ADAPTIVE_CLIP_RANGE, GradientControl
+from .train import GradientControl
 
 CKPT = "backbone.ckpt.pt"
 TEACHER = "teacher.pt"
@@ -443,8 +443,7 @@ def evaluate_exits(model, adapters: ExitAdapters | None, exit_points: list[int],
                 h = taps.out[e]
                 if adapters is not None:
                     h = adapters(e, h)
-                p = torch.softmax(model.lm_head(model.model.norm(h)).float() if getattr(
-                    model.config, "final_logit_softcapping", None) is None else _capped(model, h), -1)
+                p = torch.softmax(_exit_logits(model, h), -1)
                 c, t = p.max(-1)
                 tops[e].append(t)
                 confs[e].append(c)
@@ -477,9 +476,11 @@ def evaluate_exits(model, adapters: ExitAdapters | None, exit_points: list[int],
     return out
 
 
-def _capped(model, h):
-    cap = model.config.final_logit_softcapping
-    return torch.tanh(model.lm_head(model.model.norm(h)).float() / cap) * cap
+def _exit_logits(model, h: torch.Tensor) -> torch.Tensor:
+    """Final norm + LM head (+ Gemma's soft cap) of ``h [.., d]``: ``[.., V]`` float32, as the model's own forward."""
+    logits = model.lm_head(model.model.norm(h)).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def _records_digest(records: torch.Tensor) -> str:
@@ -489,7 +490,7 @@ def _records_digest(records: torch.Tensor) -> str:
 
 
 __all__ = ["BackboneConfig", "BackboneRun", "ExitAdapters", "default_exit_points", "dropout_rates", "exit_weights",
-           "evaluate_exits", "reference_outputs", "teacher_topk", "topk_kl", "train_backbone", "ADAPTIVE_CLIP_RANGE"]
+           "evaluate_exits", "reference_outputs", "teacher_topk", "topk_kl", "train_backbone"]
 
 
 @torch.no_grad()
