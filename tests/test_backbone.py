@@ -14,7 +14,8 @@ from laserlm.errors import CorruptModelError, InvalidArgumentError
 from laserlm.models.delta import merge_delta, read_delta, save_delta
 from laserlm.models.weights_hash import compute_weights_sha256
 from laserlm.training.backbone import (BackboneConfig, _LayerTaps, default_exit_points, dropout_rates, exit_weights,
-                                       evaluate_exits, reference_outputs, teacher_topk, topk_kl, train_backbone)
+                                       evaluate_exits, reference_outputs, tail_kl, teacher_topk, topk_kl,
+                                       train_backbone)
 from laserlm.training.lora import LoRALinear, apply_lora, lora_factors, merge_factors, unwrap_lora
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -112,6 +113,30 @@ def test_topk_kl_against_a_float64_computation():
         p = torch.softmax(t_lp[n].double(), -1)
         want += sum(float(p[j]) * (math.log(float(p[j])) - (logits[int(t_ids[n, j])] - lse)) for j in range(4))
     assert abs(float(got) - want / 5) < 1e-5
+
+
+def test_tail_kl_against_a_float64_computation():
+    """The tail bucket: the KL over {top-k, rest} with the student's full-vocabulary softmax. Moving the student's
+    mass to a token outside the teacher's top-k raises it (the union KL cannot see that move)."""
+    torch.manual_seed(1)
+    h, w = torch.randn(5, 8), torch.randn(40, 8)
+    t_ids = torch.stack([torch.randperm(40)[:4] for _ in range(5)])
+    full = torch.log_softmax(torch.randn(5, 40).double() * 2, -1)
+    t_lp = full.gather(1, t_ids)                     # full-vocabulary log-probs of the teacher's top-k: sum p < 1
+    got = tail_kl(h, w, None, None, t_ids, t_lp)
+    want = 0.0
+    for n in range(5):
+        lq = torch.log_softmax(h[n].double() @ w.double().T, -1)
+        p = t_lp[n].exp()
+        q = lq[t_ids[n]].exp()
+        want += float((p * (p.log() - q.log())).sum())
+        pt, qt = 1 - float(p.sum()), 1 - float(q.sum())
+        want += pt * (math.log(pt) - math.log(qt))
+    assert abs(float(got) - want / 5) < 1e-5
+    outside = [i for i in range(40) if i not in set(t_ids[0].tolist())][0]
+    w2 = w.clone()
+    w2[outside] = h[0] * 3                           # the student's argmax moves off the teacher's top-k
+    assert float(tail_kl(h[:1], w2, None, None, t_ids[:1], t_lp[:1])) > float(tail_kl(h[:1], w, None, None, t_ids[:1], t_lp[:1])) + 1
 
 
 def test_min_depth_is_a_quarter_of_the_layers():

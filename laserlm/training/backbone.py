@@ -14,7 +14,9 @@ so that the hidden states at the exit points already carry the full model's pred
   2024 §4.2), summing to 1. The teacher is the original model's top-``top_k`` log-probabilities, computed once and
   cached; the KL runs over the union ``U`` of the batch's teacher top-k tokens (teacher renormalised over its top-k,
   student normalised over ``U``), so the 49k-wide LM head is not paid at every exit (a top-k distillation: mass the
-  student puts outside ``U`` is not penalised; agreement is always measured over the full vocabulary).
+  student puts outside ``U`` is not penalised; agreement is always measured over the full vocabulary). The last
+  layer's KL (``final_kl="tail"``, the default) is over {teacher top-k, the rest} with the student's full-vocabulary
+  softmax (:func:`tail_kl`), so the adapted model cannot move its argmax off the original's for free.
 - **Layer dropout** (LayerSkip §4.1): during joint training, each sequence skips decoder layer ``l`` with probability
   ``p_l = layer_dropout * (exp(l ln 2 / (L - 1)) - 1)``: 0 at the first layer, ``layer_dropout`` at the last
   (their exponential depth schedule, without their time curriculum). A skipped layer passes its input on unchanged.
@@ -71,6 +73,7 @@ class BackboneConfig:
     exit_weight: float = 1.0
     distill_weight: float = 1.0
     top_k: int = 16
+    final_kl: str = "tail"               # last layer: "tail" (top-k + tail bucket, full vocabulary) or "union"
     seq_len: int = 128
     batch: int = 8
     max_tokens: int = 200_000            # training tokens (batch x seq_len per step), frozen part included
@@ -102,6 +105,8 @@ class BackboneConfig:
             raise InvalidArgumentError("warm-up steps, frozen tokens and the evaluation interval must be >= 0")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise InvalidArgumentError(f"--max-minutes must be > 0, got {self.max_minutes}")
+        if self.final_kl not in ("tail", "union"):
+            raise InvalidArgumentError(f"final KL must be tail or union, got {self.final_kl!r}")
         if self.autocast not in ("float32", "bfloat16"):
             raise InvalidArgumentError(f"autocast must be float32 or bfloat16, got {self.autocast!r}")
         if not self.exit_points:
@@ -184,6 +189,37 @@ def topk_kl(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, softcap,
     logq = torch.log_softmax(logits, -1).gather(1, inv)  # [N, k]
     logp = torch.log_softmax(t_lp.float(), -1)           # the teacher renormalised over its top-k
     return (logp.exp() * (logp - logq)).sum(-1).mean()
+
+
+def tail_kl(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias, softcap, t_ids: torch.Tensor,
+            t_lp: torch.Tensor) -> torch.Tensor:
+    """Mean KL(teacher || student) over the partition {top-k tokens, everything else}, the student over the full vocabulary.
+
+    Unlike :func:`topk_kl`, mass the student moves to any token outside the teacher's top-k is paid for (it lands
+    in the tail bucket), so the student's argmax cannot wander off to a token the teacher ranks low for free. Costs
+    one full LM-head product (``[N, V]``), so the backbone stage uses it at the last layer only.
+
+    Args:
+        hidden: ``[N, d]`` final-normed hidden states (the student).
+        head_weight: ``[V, d]`` the LM head; ``head_bias`` ``[V]`` or None; ``softcap``: Gemma's logit cap or None.
+        t_ids: ``[N, k]`` teacher token ids; ``t_lp``: ``[N, k]`` their full-vocabulary log-probabilities.
+
+    Returns a scalar (nats): ``sum_k p_k (log p_k - log q_k) + p_tail (log p_tail - log q_tail)``.
+    """
+    logits = hidden @ head_weight.T.to(hidden.dtype)
+    if head_bias is not None:
+        logits = logits + head_bias
+    logits = logits.float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logq = torch.log_softmax(logits, -1).gather(1, t_ids.long())        # [N, k]
+    logp = t_lp.float()
+    tiny = torch.finfo(torch.float32).tiny
+    p_tail = (1 - logp.exp().sum(-1)).clamp_min(0)                      # [N]
+    q_tail = (1 - logq.exp().sum(-1)).clamp_min(tiny)
+    head = (logp.exp() * (logp - logq)).sum(-1)
+    tail = torch.where(p_tail > 0, p_tail * (p_tail.clamp_min(tiny).log() - q_tail.log()), torch.zeros_like(p_tail))
+    return (head + tail).mean()
 
 
 # -- the model under training ---------------------------------------------------------------------------------
@@ -375,7 +411,8 @@ def train_backbone(model, records: torch.Tensor, teacher: dict, cfg: BackboneCon
                 parts = {}
                 if joint and cfg.distill_weight > 0:
                     final = out.last_hidden_state.reshape(-1, d)
-                    parts["final"] = topk_kl(final, head_w, head_b, softcap, t_ids, t_lp)
+                    final_kl = tail_kl if cfg.final_kl == "tail" else topk_kl
+                    parts["final"] = final_kl(final, head_w, head_b, softcap, t_ids, t_lp)
                     loss = loss + cfg.distill_weight * parts["final"]
                 for e, w in zip(cfg.exit_points, w_exit):
                     h = taps.out[e].reshape(-1, d)
@@ -490,7 +527,7 @@ def _records_digest(records: torch.Tensor) -> str:
 
 
 __all__ = ["BackboneConfig", "BackboneRun", "ExitAdapters", "default_exit_points", "dropout_rates", "exit_weights",
-           "evaluate_exits", "reference_outputs", "teacher_topk", "topk_kl", "train_backbone"]
+           "evaluate_exits", "reference_outputs", "tail_kl", "teacher_topk", "topk_kl", "train_backbone"]
 
 
 @torch.no_grad()

@@ -125,7 +125,8 @@ def run_train_backbone(args) -> int:
     cfg = BackboneConfig(exit_points=_parse_exits(args.exits, L), rank=args.rank, alpha=args.alpha, head_lr=args.lr,
                          backbone_lr_ratio=args.backbone_lr_ratio, frozen_tokens=args.frozen_tokens,
                          layer_dropout=args.layer_dropout, exit_weight=args.exit_weight,
-                         distill_weight=args.distill_weight, top_k=args.top_k, seq_len=args.seq_len, batch=args.batch,
+                         distill_weight=args.distill_weight, top_k=args.top_k,
+                         final_kl=args.final_kl, seq_len=args.seq_len, batch=args.batch,
                          max_tokens=args.max_tokens, max_minutes=args.max_minutes,
                          eval_every_tokens=args.eval_every, autocast=_autocast(args.autocast), seed=args.seed)
     cfg.validate(L)

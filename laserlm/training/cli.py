@@ -245,6 +245,10 @@ def add_parser(subparsers) -> None:
                    help="weight of the last layer's KL to the original model (default: %(default)s)")
     p.add_argument("--top-k", type=_positive(int, "--top-k"), default=16,
                    help="teacher tokens per position in the KL (default: %(default)s)")
+    p.add_argument("--final-kl", choices=["tail", "union"], default="tail",
+                   help="last layer's KL: tail (teacher top-k plus a tail bucket, over the full vocabulary) or union "
+                        "(renormalised over the batch's teacher tokens; cheaper, lets mass leave unpaid) "
+                        "(default: %(default)s)")
     p.add_argument("--batch", type=_positive(int, "--batch"), default=8, help="records per step (default: %(default)s)")
     p.add_argument("--exits", default=None, metavar="E1,E2,...",
                    help="exit points (layers run before each; default: every 5 layers from a quarter of the depth)")
