@@ -1,5 +1,5 @@
 """Scale-out on Ray Serve: a local Ray cluster started by the test, two laserlm replicas behind Ray Serve's proxy on
-127.0.0.1, answered by both (their pids differ), then Serve and Ray torn down."""
+127.0.0.1, answered by both (their replica ids differ), then Serve and Ray torn down."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def test_two_replicas_answer(ray_cluster, smol):
     settings = ServerSettings(model="smollm2-135m", weights="fp32", threads=1, ctx_size=512, kv_budget=32)
     deploy(settings, replicas=2, port=port, num_cpus=0.5)
     url = f"http://127.0.0.1:{port}"
-    pids = {http("GET", url + "/health")[1]["pid"] for _ in range(40)}
-    assert len(pids) == 2  # both replicas answered
+    replicas = {http("GET", url + "/health")[1]["replica"] for _ in range(40)}
+    assert len(replicas) == 2  # both replicas answered
     client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
     ref = smol.generate("The capital of France is", max_new_tokens=8).text
     for _ in range(4):

@@ -6,6 +6,7 @@ killed mid-stream, and ``/metrics`` parsed with prometheus_client and checked ag
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -132,6 +133,8 @@ def _error(status: int, body, expect_status: int, code=None, param=None):
     ({"prompt": [49152]}, "prompt"), ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"top_p": None, "temperature": "hot"},
                                                                       "temperature"),
+    ({"n": True}, "n"), ({"temperature": 1e9}, "temperature"), ({"temperature": 2.5}, "temperature"),
+    ({"stop": ["x"] * 17}, "stop"), ({"stop": "y" * 257}, "stop"),
 ])
 def test_invalid_parameters_are_400(server, patch, param):
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **patch}
@@ -172,6 +175,85 @@ def test_documented_error_statuses(server):
         c.completions.create(model="nope", prompt="Hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         c.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=-3)
+
+
+def test_hostile_bodies_are_refused_before_any_work(server):
+    """Defects of the hostile-input run (issue 38): each answered with its 4xx, the server still serving after."""
+    url = server.url
+    # a 5,000-digit integer: Python's int-string limit inside the JSON parser is a 400, not a 500
+    raw = b'{"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 1' + b"0" * 5000 + b"}"
+    _error(*http("POST", url + "/v1/completions", raw=raw, headers=AUTH), 400)
+    # 20,000 stop strings of 64 characters (1.3 MB): refused at validation, before a token is generated
+    before = metrics(url)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+            "stop": ["s" * 64] * 20_000}
+    _error(*http("POST", url + "/v1/chat/completions", body, AUTH), 400, param="stop")
+    after = metrics(url)
+    assert after["laserlm:generation_tokens_total"] == before["laserlm:generation_tokens_total"]
+    assert after.get("laserlm:request_errors_total{code=,status=400,type=invalid_request_error}", 0) == \
+        before.get("laserlm:request_errors_total{code=,status=400,type=invalid_request_error}", 0) + 1
+    # the documented limits themselves are accepted
+    ok = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                                 "stop": ["z" * 256] + ["q"] * 15, "temperature": 2}, AUTH)
+    assert ok[0] == 200, ok
+    # an assistant turn with content null (a tool-call history) is valid OpenAI input
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+            {"role": "user", "content": "Hello?"}]
+    ok = http("POST", url + "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 2}, AUTH)
+    assert ok[0] == 200, ok
+    _error(*http("POST", url + "/v1/chat/completions",
+                 {"model": MODEL, "messages": [{"role": "user", "content": None}]}, AUTH), 400, param="messages")
+    # a text prompt too long for the context even at the tokenizer's longest piece: refused untokenized
+    status, err = http("POST", url + "/v1/completions", {"model": MODEL, "prompt": "a" * 3_000_000}, AUTH)
+    _error(status, err, 400, "context_length_exceeded", "prompt")
+    assert "characters" in err["error"]["message"]
+    # /docs is off by default; /health names a replica, not a pid
+    assert http("GET", url + "/docs")[0] == 404 and http("GET", url + "/openapi.json")[0] == 404
+    health = http("GET", url + "/health")[1]
+    assert health["status"] == "ok" and "pid" not in health and len(health["replica"]) == 16
+
+
+def _raw_request(url: str, head: bytes, body: bytes = b"", timeout: float = 20.0) -> bytes:
+    """Send ``head`` then ``body`` in 64 KiB pieces, stopping as soon as the server answers, and return the answer
+    (the body may be incomplete on purpose: a server that waited for the rest would time out here)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(head)
+        for i in range(0, len(body), 65536):
+            if select.select([s], [], [], 0)[0]:
+                break
+            try:
+                s.sendall(body[i:i + 65536])
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        got = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except (TimeoutError, ConnectionResetError):
+                break
+            if not chunk:
+                break
+            got += chunk
+            if b"\r\n\r\n" in got and got.rstrip().endswith(b"}"):
+                break
+        return got
+
+
+def test_oversized_body_is_413_without_reading_it(server):
+    """A body over --max-body-bytes (4 MiB) is 413. Structural checks: a Content-Length over the limit is answered
+    while the body has not been sent at all, and a chunked body is answered once the limit is passed while its
+    end has not been sent (a handler that read on would wait for the rest and time out)."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\n".encode())
+    got = _raw_request(server.url, head + b"Content-Length: 5000000\r\n\r\n", b'{"model": ')
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    assert b"request_too_large" in got
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(70))  # 4.4 MiB, never terminated
+    got = _raw_request(server.url, head + b"Transfer-Encoding: chunked\r\n\r\n", body)
+    assert got.startswith(b"HTTP/1.1 413"), got[:200]
+    assert http("GET", server.url + "/health")[0] == 200
 
 
 def test_metrics_parse_and_match_the_requests_sent(server, client):
@@ -319,3 +401,48 @@ def test_serve_refuses_bad_flags_before_loading(capsys):
                       (["--replicas", "0"], "--replicas"), (["--eviction", "fifo"], "eviction")]:
         assert main(["serve", *argv]) == 2
         assert msg in capsys.readouterr().err
+
+
+def test_sigterm_drains_then_ends_every_stream_with_an_answer():
+    """SIGTERM with 8 streams in flight: the server stops admitting, lets them run --shutdown-timeout (2 s) more,
+    then sends each unfinished stream an error event and ``[DONE]``; no client sees a stream cut short."""
+    import signal
+    import urllib.request
+
+    srv = ServerProcess(["--model", MODEL, "--weights", "fp32", "--threads", "1", "--ctx-size", "1024",
+                         "--max-batch", "8", "--shutdown-timeout", "2"])
+    events: dict[int, list] = {}
+    started = threading.Barrier(9, timeout=120)
+
+    def stream(i: int) -> None:
+        body = json.dumps({"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 900, "temperature": 0,
+                           "stream": True, "ignore_eos": True}).encode()
+        req = urllib.request.Request(srv.url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        got = events.setdefault(i, [])
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    got.append(line[6:])
+                    if len(got) == 3:
+                        started.wait()
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        started.wait()
+        srv.proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert srv.proc.wait(60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled
+        assert time.monotonic() - t0 < 30
+    finally:
+        srv.stop()
+    for i in range(8):
+        got = events[i]
+        assert got[-1] == "[DONE]", (i, got[-3:])
+        last = json.loads(got[-2])
+        # 900 tokens cannot finish in 2 s on one thread: each stream ends with the shutdown error, not a cut
+        assert last.get("error", {}).get("code") == "server_shutting_down", (i, last)

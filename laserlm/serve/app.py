@@ -8,6 +8,12 @@ over HTTP is the offline output. Every response carries a ``timings`` object wit
 ``draft_n_accepted``) plus ``layers_per_token`` and the ``exit_layer_histogram``. ``prompt_ms`` is the time
 from arrival to the first token (the queue wait included: the scheduler admits and prefills in steps);
 ``predicted_ms`` is the time from the first token to the last.
+
+Limits that protect the other streams: a body over ``max_body_bytes`` is refused with 413 before it is read (by its
+``Content-Length``) or as soon as the bytes read pass the limit; a text prompt longer than the context could hold
+even at the tokenizer's longest piece per token is refused before it is tokenized. On SIGTERM/SIGINT the server
+drains (:meth:`ServerState.drain`): new requests get 503, running ones go on for ``shutdown_timeout`` seconds, then
+each unfinished one ends with an error (an error event and ``[DONE]`` for a stream) before the engine stops.
 """
 
 from __future__ import annotations
@@ -17,7 +23,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import secrets
 import time
 import uuid
@@ -57,6 +62,9 @@ class ServerSettings:
         api_key: when set, ``/v1`` requests need ``Authorization: Bearer <api_key>``.
         default_max_tokens: chat requests without ``max_tokens`` generate at most this many tokens (and the room
             left in the context); completions default to OpenAI's 16.
+        max_body_bytes: the largest request body read (bytes); larger gets 413.
+        shutdown_timeout: seconds running requests may go on after SIGTERM before they end with an error.
+        docs: serve FastAPI's ``/docs`` and ``/openapi.json`` (off by default: they describe no OpenAI route).
     """
 
     model: str = "smollm2-135m"
@@ -79,6 +87,9 @@ class ServerSettings:
     prefix_cache: bool = True
     api_key: str | None = None
     default_max_tokens: int = 512
+    max_body_bytes: int = 4 * 1024 * 1024
+    shutdown_timeout: float = 30.0
+    docs: bool = False
 
     @property
     def name(self) -> str:
@@ -102,7 +113,13 @@ class ServerSettings:
 
 @dataclass
 class ServerState:
-    """What the routes share: the model, its modes, the engine thread and the metrics."""
+    """What the routes share: the model, its modes, the engine thread and the metrics.
+
+    Attributes:
+        replica_id: a random id of this server process (``/health`` reports it, so Ray Serve replicas can be told
+            apart without exposing a pid).
+        drain_deadline: ``time.monotonic()`` after which running requests are ended (None: not draining).
+    """
 
     settings: ServerSettings
     lm: object
@@ -110,6 +127,18 @@ class ServerState:
     engine: ServingEngine
     metrics: ServerMetrics
     created: int = field(default_factory=lambda: int(time.time()))
+    replica_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    drain_deadline: float | None = None
+
+    def drain(self) -> None:
+        """Stop admitting requests; let running ones go on for ``settings.shutdown_timeout`` seconds (called from
+        the signal handler of ``laserlm serve``)."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.settings.shutdown_timeout
+
+    @property
+    def draining(self) -> bool:
+        return self.drain_deadline is not None
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -160,7 +189,52 @@ class ClientGone(Exception):
 
 
 def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None  # RFC 9110 §10.2.3: seconds
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another replica or after it restarts",
+                    "server_error", None, "server_shutting_down")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, read no further than ``limit`` bytes.
+
+    Raises:
+        APIError: 413 (``request_too_large``) when ``Content-Length`` says more than ``limit`` (nothing is read) or
+            the bytes received pass it (reading stops there); 400 for a malformed ``Content-Length``.
+    """
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.strip().isdigit():
+            raise bad(f"Content-Length must be a number of bytes, got {length[:40]!r}")
+        if int(length) > limit:
+            raise APIError(413, f"the request body has {int(length)} bytes; this server reads at most {limit} "
+                                "(--max-body-bytes)", "invalid_request_error", None, "request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body passed {limit} bytes, the most this server reads "
+                                "(--max-body-bytes)", "invalid_request_error", None, "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def max_piece_chars(tokenizer) -> int:
+    """The most characters one vocabulary entry spells (byte-level BPE spells a text character as 1-4 entry
+    characters, SentencePiece as one): a text of ``c`` characters needs at least ``c / max_piece_chars`` tokens."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+
+
+def text_chars(prompt) -> int:
+    """Characters of a text prompt or of a chat's message contents (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return sum(len(m["content"]) for m in prompt)
+    return 0
 
 
 def _map_error(exc: BaseException) -> APIError:
@@ -189,6 +263,7 @@ class Server:
         self.tokenizer = state.lm.tokenizer
         self.eos_ids = state.lm.eos_ids
         self.max_seq_len = state.lm.engine.max_seq_len
+        self.max_piece_chars = max_piece_chars(self.tokenizer)
 
     # -- checks ---------------------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -218,6 +293,11 @@ class Server:
     def encode(self, req: ParsedRequest) -> list[torch.Tensor]:
         out = []
         for p in req.prompts:
+            chars = text_chars(p)
+            if chars > self.max_seq_len * self.max_piece_chars:  # too long for certain: do not tokenize it
+                raise bad(f"the prompt has {chars} characters, so at least {chars // self.max_piece_chars} tokens "
+                          f"(no token of this tokenizer spells more than {self.max_piece_chars} characters), but the "
+                          f"context size is {self.max_seq_len}", "prompt", "context_length_exceeded")
             try:
                 if req.kind == "chat":
                     ids = encode_prompt(self.tokenizer, p, True, self.max_seq_len)
@@ -294,6 +374,8 @@ class Server:
         checked = time.monotonic()
         try:
             while not all(c.finished for c in choices):
+                if self.state.drain_deadline is not None and time.monotonic() > self.state.drain_deadline:
+                    raise shutting_down()
                 if getter is None:
                     getter = asyncio.ensure_future(out.get())
                 done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
@@ -385,7 +467,9 @@ class Server:
     # -- endpoints ----------------------------------------------------------------------------------------
     async def complete(self, request: Request, kind: str):
         self.check_auth(request)
-        body = parse_json(await request.body())
+        if self.state.draining:
+            raise shutting_down()
+        body = parse_json(await read_body(request, self.state.settings.max_body_bytes))
         req = parse_completion(body) if kind == "completion" else parse_chat(body)
         mode, ids, params = await self.prepare(req)
         choices, out = await self.submit(mode, ids, params)
@@ -444,7 +528,7 @@ class Server:
                 yield chunk([], usage=self.usage(choices))
             yield "data: [DONE]\n\n"
         except APIError as err:  # the stream has started: the error goes in the stream (as vLLM does)
-            self.state.metrics.errors.labels(code=err.code or str(err.status)).inc()
+            self.state.metrics.count_error(err)
             yield "data: " + json.dumps(err.body()) + "\n\n"
             yield "data: [DONE]\n\n"
         except ClientGone:
@@ -473,21 +557,24 @@ def build_app(settings: ServerSettings | None = None, lm=None, state: ServerStat
         yield
         state.close()
 
+    docs = state.settings.docs
     app = FastAPI(title="laserlm", description="OpenAI-compatible server of laserlm (adaptive-compute inference)",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url="/docs" if docs else None, redoc_url=None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.laserlm = state
 
     @app.exception_handler(APIError)
     async def _api_error(_request, exc: APIError):
         if exc.status >= 400:
-            state.metrics.errors.labels(code=exc.code or str(exc.status)).inc()
+            state.metrics.count_error(exc)
         return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        state.metrics.errors.labels(code=str(exc.status_code)).inc()
-        return _error_response(APIError(exc.status_code, str(exc.detail), kind, None, str(exc.status_code)))
+        err = APIError(exc.status_code, str(exc.detail), kind, None, str(exc.status_code))
+        state.metrics.count_error(err)
+        return _error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request, exc: RequestValidationError):
@@ -497,7 +584,7 @@ def build_app(settings: ServerSettings | None = None, lm=None, state: ServerStat
     async def _internal(_request, exc: Exception):
         log.exception("request failed")
         err = _map_error(exc)
-        state.metrics.errors.labels(code=err.code or str(err.status)).inc()
+        state.metrics.count_error(err)
         return _error_response(err)
 
     @app.post("/v1/completions")
@@ -516,7 +603,9 @@ def build_app(settings: ServerSettings | None = None, lm=None, state: ServerStat
     async def health():
         if not state.engine.alive:
             return JSONResponse({"status": "error", "detail": "engine thread stopped"}, status_code=503)
-        return {"status": "ok", "pid": os.getpid()}  # the pid tells Ray Serve replicas apart
+        if state.draining:
+            return JSONResponse({"status": "draining", "replica": state.replica_id}, status_code=503)
+        return {"status": "ok", "replica": state.replica_id}  # tells Ray Serve replicas apart
 
     @app.get("/metrics")
     async def metrics():

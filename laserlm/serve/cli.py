@@ -37,6 +37,14 @@ def add_parser(sub) -> None:
     g = add_batch_args(p, queue_help="requests waiting at most; more get HTTP 429")
     g.add_argument("--default-max-tokens", type=int, default=512,
                    help="chat requests without max_tokens generate at most this many tokens (default: %(default)s)")
+    h = p.add_argument_group("HTTP limits and shutdown")
+    h.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, metavar="N",
+                   help="largest request body read; larger gets HTTP 413 (default: %(default)s = 4 MiB)")
+    h.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds running requests may go on before they end with an error "
+                        "(streams get an error event and [DONE]); new requests get 503 (default: %(default)s)")
+    h.add_argument("--docs", action="store_true",
+                   help="serve FastAPI's /docs and /openapi.json (off by default)")
     r = p.add_argument_group("scale-out")
     r.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="run N replicas behind Ray Serve on a local Ray cluster (or RAY_ADDRESS) instead of one "
@@ -60,6 +68,10 @@ def settings_from_args(args):
             raise LaserLMError(f"--port must be in 1-65535, got {v}")
     if args.default_max_tokens < 1:
         raise LaserLMError(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    if args.max_body_bytes < 1024:
+        raise LaserLMError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if not args.shutdown_timeout >= 0:
+        raise LaserLMError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     if args.replicas is not None and args.replicas < 1:
         raise LaserLMError(f"--replicas must be >= 1, got {args.replicas}")
     from ..cli_common import lora_from_args  # noqa: PLC0415
@@ -71,7 +83,8 @@ def settings_from_args(args):
         kv_budget=args.kv_budget, max_batch=args.max_batch, max_queue=args.max_queue, page_size=args.page_size,
         prefill_chunk=args.prefill_chunk, eviction=args.eviction, prefix_cache=not args.no_prefix_cache,
         api_key=args.api_key or os.environ.get("LASERLM_API_KEY") or None,
-        default_max_tokens=args.default_max_tokens)
+        default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
+        shutdown_timeout=args.shutdown_timeout, docs=args.docs)
 
 
 def cmd_serve(args) -> int:
@@ -85,8 +98,6 @@ def cmd_serve(args) -> int:
         from .ray_serve import run_replicas  # noqa: PLC0415
 
         return run_replicas(settings, args.replicas, host=args.host, port=args.port, num_cpus=args.replica_cpus)
-    import uvicorn  # noqa: PLC0415
-
     from .app import build_app  # noqa: PLC0415
 
     app = build_app(settings)
@@ -94,5 +105,23 @@ def cmd_serve(args) -> int:
     print(f"laserlm: serving {settings.name} ({state.lm.describe()}; modes: {', '.join(state.modes)}; KV pool "
           f"{state.engine.scheduler.pool.describe()}) on http://{args.host}:{args.port}/v1", file=sys.stderr,
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    run_draining(app, settings.shutdown_timeout, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def run_draining(app, shutdown_timeout: float, **uvicorn_kwargs) -> None:
+    """Run ``app`` on uvicorn; an exit signal first drains it (:meth:`~laserlm.serve.app.ServerState.drain`).
+
+    uvicorn then stops accepting connections and waits ``timeout_graceful_shutdown`` for open ones; the app ends
+    what still runs ``shutdown_timeout`` seconds after the signal, so each client gets ``[DONE]`` or an error before
+    the engine stops (uvicorn's own grace is 5 s longer, the time to send those)."""
+    import uvicorn  # noqa: PLC0415
+
+    state = app.state.laserlm
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            state.drain()
+            super().handle_exit(sig, frame)
+
+    DrainingServer(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + 5, **uvicorn_kwargs)).run()

@@ -9,7 +9,7 @@
 | ``laserlm:kv_cache_capacity_bytes`` | gauge | bytes of the preallocated pool (all K/V lives there) |
 | ``laserlm:prompt_tokens_total`` / ``generation_tokens_total`` | counter | tokens of finished requests |
 | ``laserlm:request_success_total{finished_reason}`` | counter | finished requests (stop, length, abort) |
-| ``laserlm:request_errors_total{code}`` | counter | requests answered with an error status |
+| ``laserlm:request_errors_total{status,type,code}`` | counter | requests answered with an error: HTTP status, OpenAI error type, laserlm's code |
 | ``laserlm:time_to_first_token_seconds`` | histogram | TTFT (submit to first token, queue included) |
 | ``laserlm:time_per_output_token_seconds`` | histogram | TPOT: (end - first token) / (tokens - 1), per request |
 | ``laserlm:inter_token_latency_seconds`` | histogram | ITL: time between two streamed tokens |
@@ -50,8 +50,8 @@ class ServerMetrics:
                                          registry=r)
         self.success = Counter("laserlm:request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
-        self.errors = Counter("laserlm:request_errors", "Requests answered with an error, by error code.",
-                              ["code"], registry=r)
+        self.errors = Counter("laserlm:request_errors", "Requests answered with an error, by HTTP status, OpenAI "
+                              "error type and code.", ["status", "type", "code"], registry=r)
         self.ttft = Histogram("laserlm:time_to_first_token_seconds", "Time to first token (queue included).",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("laserlm:time_per_output_token_seconds", "Time per output token after the first.",
@@ -67,6 +67,10 @@ class ServerMetrics:
         self.accepted_tokens = Counter("laserlm:spec_decode_num_accepted_tokens",
                                        "Speculative draft tokens accepted.", registry=r)
         self._peak = 0.0
+
+    def count_error(self, err) -> None:
+        """Count one error answer (an :class:`~laserlm.serve.protocol.APIError`)."""
+        self.errors.labels(status=str(err.status), type=err.type or "", code=err.code or "").inc()
 
     def update_pool(self, scheduler) -> None:
         """Set the gauges from the scheduler (called by the engine thread after every step)."""

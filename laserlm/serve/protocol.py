@@ -2,7 +2,8 @@
 
 The fields follow the OpenAI API reference (``/v1/completions``, ``/v1/chat/completions``) as vLLM and
 llama.cpp's server accept them: ``max_tokens`` (``max_completion_tokens`` for chat), ``temperature`` (default
-1.0, as OpenAI), ``top_p``, ``top_k`` (vLLM's extension; 0 or -1 = off), ``stop``, ``seed``, ``stream``,
+1.0, in 0-2, as OpenAI), ``top_p``, ``top_k`` (vLLM's extension; 0 or -1 = off), ``stop`` (at most
+:data:`MAX_STOP_STRINGS` strings of at most :data:`MAX_STOP_CHARS` characters), ``seed``, ``stream``,
 ``stream_options.include_usage``, plus laserlm's ``mode`` (a mode spec the server allows). Fields laserlm does
 not implement (``n > 1``, ``logprobs``, ``echo``, penalties, ``logit_bias``, tools) are refused with a 400
 naming the field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from ..runtime.sampling import SamplingParams
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+MAX_STOP_STRINGS = 16              # OpenAI allows 4; vLLM and llama.cpp no limit: room for client-side templates
+MAX_STOP_CHARS = 256               # per stop string: the detokenizer's stop search is windowed to the longest one
+MAX_TEMPERATURE = 2.0              # OpenAI's documented range is 0-2
 
 
 class APIError(Exception):
@@ -83,6 +87,8 @@ def parse_json(raw: bytes) -> dict:
         raise bad(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise bad("the request body is nested too deeply") from None
+    except ValueError as exc:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise bad(f"the request body holds a number too large to read: {exc}") from None
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -125,7 +131,7 @@ def _text(s: str, param: str) -> str:
 
 def _unsupported(body: dict) -> None:
     n = body.get("n", 1)
-    if n is not None and n != 1:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
         raise bad("'n' must be 1: laserlm returns one choice per prompt", "n")
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' is not supported (use 1)", "best_of")
@@ -148,8 +154,8 @@ def _unsupported(body: dict) -> None:
 
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     temperature = _num(body, "temperature", 1.0)
-    if temperature < 0:
-        raise bad(f"'temperature' must be >= 0, got {temperature}", "temperature")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise bad(f"'temperature' must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
     top_p = _num(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
@@ -166,6 +172,10 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         stop = [stop]
     if not isinstance(stop, list) or any(not isinstance(s, str) or not s for s in stop):
         raise bad("'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' has {len(stop)} strings; this server takes at most {MAX_STOP_STRINGS}", "stop")
+    if (longest := max((len(s) for s in stop), default=0)) > MAX_STOP_CHARS:
+        raise bad(f"a 'stop' string has {longest} characters; this server takes at most {MAX_STOP_CHARS}", "stop")
     stop = [_text(s, "stop") for s in stop]
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -261,7 +271,10 @@ def parse_chat(body: dict) -> ParsedRequest:
         if m["role"] not in ("system", "user", "assistant", "developer"):
             raise bad(f"messages[{i}].role {m['role']!r} is not supported (system, user, assistant)", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        clean.append({"role": role, "content": _text(_message_text(m.get("content"), i), "messages")})
+        content = m.get("content")
+        if content is None and role == "assistant":  # OpenAI allows it (a turn that only called tools)
+            content = ""
+        clean.append({"role": role, "content": _text(_message_text(content, i), "messages")})
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(name) is not None
     max_tokens = _int(body, name, lo=1, default=1)
