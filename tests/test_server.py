@@ -446,3 +446,43 @@ def test_sigterm_drains_then_ends_every_stream_with_an_answer():
         last = json.loads(got[-2])
         # 900 tokens cannot finish in 2 s on one thread: each stream ends with the shutdown error, not a cut
         assert last.get("error", {}).get("code") == "server_shutting_down", (i, last)
+
+
+def test_greedy_streams_do_not_depend_on_the_other_requests():
+    """Batch invariance (issue 38): on the default (native) weights, 24 concurrent greedy chat streams, in 3 runs
+    with different arrival orders, each equal the same request made alone: the multi-row kernels compute every row
+    as alone and prompts are prefilled in chunks whose arithmetic does not depend on their size."""
+    import random
+
+    srv = ServerProcess(["--model", MODEL, "--threads", "1", "--ctx-size", "1024", "--max-batch", "16",
+                         "--prefill-chunk", "64"])
+    try:
+        topics = ["the sea", "a dragon", "tea", "the moon", "bicycles", "rain", "a library", "winter", "a robot",
+                  "bread", "the desert", "a violin"]
+        prompts = [f"Write two sentences about {t}." for t in topics] + [f"What is {t}? Answer briefly." for t in topics]
+
+        def ask(p: str) -> str:
+            status, out = http("POST", srv.url + "/v1/chat/completions",
+                               {"model": MODEL, "messages": [{"role": "user", "content": p}], "max_tokens": 32,
+                                "temperature": 0, "stream": False})
+            assert status == 200, out
+            return out["choices"][0]["message"]["content"]
+
+        solo = [ask(p) for p in prompts]
+        for run in range(3):
+            order = list(range(len(prompts)))
+            random.Random(run).shuffle(order)
+            got: dict[int, str] = {}
+
+            def one(i: int, delay: float) -> None:
+                time.sleep(delay)
+                got[i] = ask(prompts[i])
+            threads = [threading.Thread(target=one, args=(i, 0.05 * k * run)) for k, i in enumerate(order)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+            diff = [i for i in range(len(prompts)) if got.get(i) != solo[i]]
+            assert not diff, (run, [(prompts[i], solo[i], got.get(i)) for i in diff[:3]])
+    finally:
+        srv.stop()
