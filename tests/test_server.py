@@ -126,7 +126,7 @@ def _error(status: int, body, expect_status: int, code=None, param=None):
 @pytest.mark.parametrize("patch,param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "ten"}, "max_tokens"), ({"n": 2}, "n"), ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"),
-    ({"stop": [""]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": 2}, "logprobs"),
+    ({"stop": [""]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"echo": "yes"}, "echo"),
     ({"stream": "yes"}, "stream"), ({"model": None}, "model"), ({"prompt": [10**9]}, None),
     ({"seed": 2**64}, "seed"), ({"max_tokens": 4.5}, "max_tokens"), ({"prompt": ["a", 1]}, "prompt"),
     ({"temperature": 10**400}, "temperature"), ({"top_p": -10**400}, "top_p"), ({"prompt": [10**20]}, "prompt"),
@@ -486,3 +486,73 @@ def test_greedy_streams_do_not_depend_on_the_other_requests():
             assert not diff, (run, [(prompts[i], solo[i], got.get(i)) for i in diff[:3]])
     finally:
         srv.stop()
+
+
+def test_echo_logprobs_score_the_prompt_as_transformers_and_lm_eval_read_them(server, smol_ref):
+    """``echo`` + ``logprobs`` + ``max_tokens`` 0/1 (lm-evaluation-harness's ``local-completions`` log-likelihood
+    request): the prompt's token log-probabilities equal the unmodified transformers model's log-softmax, and
+    lm-eval's own parser reads the continuation's log-likelihood and greediness from the response."""
+    import torch
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_ref.name_or_path)
+    context, continuation = "Question: What is the capital of France?\nAnswer:", " Paris"
+    ctx_ids = tok(context)["input_ids"]
+    ids = ctx_ids + tok(continuation, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        ref = torch.log_softmax(smol_ref(torch.tensor([ids])).logits[0].double(), -1)
+    want = [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+    for max_tokens in (0, 1):
+        status, out = http("POST", server.url + "/v1/completions",
+                           {"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "logprobs": 1, "echo": True,
+                            "temperature": 0}, AUTH)
+        assert status == 200, out
+        lp = out["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        got = lp["token_logprobs"][1:len(ids)]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-3, (got, want)
+        assert out["choices"][0]["text"].startswith(tok.decode(ids))
+        assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+        for top in lp["top_logprobs"][1:]:
+            assert 1 <= len(top) <= 2
+        if max_tokens == 1:  # lm-eval's parser: the continuation's summed log-prob and whether it is greedy
+            (ll, greedy), = LocalCompletionsAPI.parse_logprobs(out, tokens=[ids], ctxlens=[len(ctx_ids)])
+            assert abs(ll - sum(want[len(ctx_ids) - 1:])) < 1e-3
+            argmax = [int(ref[i - 1].argmax()) for i in range(len(ctx_ids), len(ids))]
+            assert greedy == (argmax == ids[len(ctx_ids):])
+
+
+def test_logprobs_of_generated_tokens_chat_and_completions(server, client, smol_ref):
+    """The official client gets ``logprobs`` on chat (``top_logprobs``) and completions; greedy tokens are their
+    distribution's argmax, and each value is the transformers model's log-softmax of the sequence."""
+    import torch
+
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == e.logprob and bytes(e.bytes).decode() == e.token
+    c = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 5
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smol_ref.name_or_path)
+    ids = tok(PROMPTS[0])["input_ids"]
+    gen = tok(c.choices[0].text, add_special_tokens=False)["input_ids"]
+    if len(gen) == 5:  # the text re-tokenizes to the same 5 tokens (true for this prompt; checked, not assumed)
+        with torch.no_grad():
+            ref = torch.log_softmax(smol_ref(torch.tensor([ids + gen])).logits[0].double(), -1)
+        want = [float(ref[len(ids) + k - 1, gen[k]]) for k in range(5)]
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs, want)) < 1e-3
+    else:
+        pytest.fail(f"re-tokenized completion has {len(gen)} tokens")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=1, stream=True)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)

@@ -51,3 +51,56 @@ def check_score_length(ids, max_seq_len: int) -> None:
     """
     if len(ids) - 1 > max_seq_len:
         raise ContextLengthError(f"sequence of {len(ids)} tokens exceeds the context size {max_seq_len}")
+
+
+@dataclass
+class TokenLogprobs:
+    """Full-depth log-probabilities of the tokens of one sequence, with the most likely alternatives.
+
+    Attributes:
+        token_logprobs: ``[T - 1]`` float64: log p(ids[i] | ids[:i]) for i = 1 .. T-1 (the first token has none).
+        top_ids: ``[T - 1, n]`` int64: the ``n`` most likely tokens at each of those positions (most likely first).
+        top_logprobs: ``[T - 1, n]`` float64: their log-probabilities.
+    """
+
+    token_logprobs: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+@torch.inference_mode()
+def full_depth_logprobs(engine, ids: list[int], top_n: int = 0, chunk: int = 256) -> TokenLogprobs:
+    """Score every token of ``ids`` given the tokens before it, at full depth (the model the adaptive modes are
+    certified against), as :class:`laserlm.evaluation.Scorer` scores full depth: one forward of ``ids[:-1]`` without
+    a cache, then the final norm + LM head and a float32 log-softmax, ``chunk`` positions at a time (so a long
+    prompt never holds ``[T, vocab]`` logits at once).
+
+    Args:
+        engine: the :class:`~laserlm.runtime.engine.Engine`.
+        ids: ``T >= 1`` token ids.
+        top_n: alternatives per position (0: none).
+
+    Raises:
+        ContextLengthError: ``T - 1`` longer than the engine's context.
+    """
+    check_score_length(ids, engine.max_seq_len)
+    n = len(ids) - 1
+    if n <= 0:
+        empty = torch.zeros(0, dtype=torch.float64)
+        return TokenLogprobs(empty, torch.zeros(0, top_n, dtype=torch.long), torch.zeros(0, top_n, dtype=torch.float64))
+    x = torch.tensor([ids[:-1]], dtype=torch.long)
+    hidden, state = engine.begin(x, use_cache=False)
+    hidden = engine.run_layers(0, engine.num_layers, hidden, state)
+    targets = torch.tensor(ids[1:], dtype=torch.long)
+    lps, tids, tlps = [], [], []
+    for i in range(0, n, chunk):
+        logits = engine.head(hidden[:, i:i + chunk])[0].float()  # [c, V]
+        logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+        lps.append(logp.gather(-1, targets[i:i + chunk].unsqueeze(-1)).squeeze(-1).double())
+        if top_n:
+            v, ix = logp.topk(top_n, dim=-1)
+            tids.append(ix)
+            tlps.append(v.double())
+    top_ids = torch.cat(tids) if top_n else torch.zeros(n, 0, dtype=torch.long)
+    top_lp = torch.cat(tlps) if top_n else torch.zeros(n, 0, dtype=torch.float64)
+    return TokenLogprobs(torch.cat(lps), top_ids, top_lp)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -38,6 +39,7 @@ from ..depth.stats import summarize_events
 from ..errors import (ContextLengthError, InvalidArgumentError, LaserLMError, NonFiniteLogitsError, PoolFullError,
                       QueueFullError)
 from ..runtime.generate import Detokenizer, encode_prompt
+from ..runtime.scores import full_depth_logprobs
 from .engine import Finished, ServingEngine, TokenBatch
 from .metrics import ServerMetrics
 from .protocol import APIError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
@@ -182,6 +184,8 @@ class Choice:
     t_submit: float
     done: bool = False  # no more text for this choice
     finished: Finished | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    logprobs: object = None  # a TokenLogprobs of prompt + completion, when the request asked for them
 
 
 class ClientGone(Exception):
@@ -340,8 +344,8 @@ class Server:
                 room = min(room, pool.num_pages // pool.num_layers * pool.page_size - max(i.numel() for i in ids))
             params = dataclasses.replace(params, max_new_tokens=max(1, min(self.state.settings.default_max_tokens,
                                                                             room)))
-        try:
-            params.validate()
+        try:  # max_new_tokens 0 (echo, scoring only) is valid here; the rest is the sampler's check
+            dataclasses.replace(params, max_new_tokens=max(params.max_new_tokens, 1)).validate()
         except InvalidArgumentError as exc:
             raise bad(str(exc)) from None
         return mode, ids, params
@@ -356,7 +360,8 @@ class Server:
                 t0 = time.perf_counter()
                 rid, q = await engine.submit(p, params, mode, out=out)
                 out = q
-                choices.append(Choice(i, rid, int(p.numel()), Detokenizer(self.tokenizer, params, self.eos_ids), t0))
+                choices.append(Choice(i, rid, int(p.numel()), Detokenizer(self.tokenizer, params, self.eos_ids), t0,
+                                      prompt_ids=p.tolist()))
         except BaseException as exc:
             for c in choices:  # all prompts or none
                 engine.cancel(c.request_id)
@@ -472,9 +477,15 @@ class Server:
         body = parse_json(await read_body(request, self.state.settings.max_body_bytes))
         req = parse_completion(body) if kind == "completion" else parse_chat(body)
         mode, ids, params = await self.prepare(req)
-        choices, out = await self.submit(mode, ids, params)
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        if params.max_new_tokens == 0:  # echo with max_tokens 0: score the prompt, generate nothing
+            choices = [Choice(i, f"{rid}-{i}", int(p.numel()), Detokenizer(self.tokenizer, params, self.eos_ids),
+                              time.perf_counter(), done=True, finished=Finished(f"{rid}-{i}", "length"),
+                              prompt_ids=p.tolist()) for i, p in enumerate(ids)]
+            await self.score(req, choices)
+            return JSONResponse(self.body(req, rid, created, choices))
+        choices, out = await self.submit(mode, ids, params)
         if req.stream:
             return StreamingResponse(self.sse(req, rid, created, choices, out, request),
                                      media_type="text/event-stream",
@@ -484,20 +495,89 @@ class Server:
                 pass
         except ClientGone:
             return Response(status_code=499)
+        await self.score(req, choices)
         return JSONResponse(self.body(req, rid, created, choices))
+
+    # -- log-probabilities ----------------------------------------------------------------------------------
+    async def score(self, req: ParsedRequest, choices: list[Choice]) -> None:
+        """Fill each choice's ``logprobs`` when the request asked for them: one full-depth scoring pass of prompt +
+        completion in the engine thread (:func:`~laserlm.runtime.scores.full_depth_logprobs`), whatever mode
+        generated the tokens, so the values are the served model's own and match ``laserlm eval``'s scorer."""
+        if req.logprobs is None:
+            return
+        engine = self.state.lm.engine
+        for c in choices:
+            seq = c.prompt_ids + c.det.ids
+            try:
+                c.logprobs = await self.state.engine.call(functools.partial(full_depth_logprobs, engine, seq,
+                                                                            req.logprobs))
+            except LaserLMError as exc:
+                raise _map_error(exc) from None
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, req: ParsedRequest, c: Choice) -> dict:
+        """OpenAI's legacy completions ``logprobs`` object: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
+        ``logprobs`` most likely tokens plus the chosen one, by text) and ``text_offset`` (characters into the
+        returned text); with ``echo`` the prompt's tokens come first (the very first has no log-probability)."""
+        lp = c.logprobs
+        seq = c.prompt_ids + c.det.ids
+        start = 0 if req.echo else len(c.prompt_ids)
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = 0
+        for i in range(start, len(seq)):
+            piece = self._piece(seq[i])
+            out["tokens"].append(piece)
+            out["text_offset"].append(offset)
+            offset += len(piece)
+            if i == 0:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            v = float(lp.token_logprobs[i - 1])
+            top = {self._piece(int(t)): float(x) for t, x in zip(lp.top_ids[i - 1], lp.top_logprobs[i - 1])}
+            top.setdefault(piece, v)
+            out["token_logprobs"].append(v)
+            out["top_logprobs"].append(top)
+        return out
+
+    def chat_logprobs(self, c: Choice) -> dict:
+        """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` for the
+        generated tokens."""
+        lp, n = c.logprobs, len(c.prompt_ids)
+
+        def entry(token_id: int, value: float) -> dict:
+            piece = self._piece(token_id)
+            return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+
+        content = []
+        for k, t in enumerate(c.det.ids):
+            i = n + k - 1  # the position whose distribution predicted token n + k
+            e = entry(t, float(lp.token_logprobs[i]))
+            e["top_logprobs"] = [entry(int(a), float(x)) for a, x in zip(lp.top_ids[i], lp.top_logprobs[i])]
+            content.append(e)
+        return {"content": content}
 
     def body(self, req: ParsedRequest, rid: str, created: int, choices: list[Choice]) -> dict:
         model = self.state.settings.name
         if req.kind == "completion":
-            items = [{"index": c.index, "text": c.det.text, "logprobs": None, "finish_reason": self.finish_reason(c)}
-                     for c in choices]
+            items = [{"index": c.index, "text": (self.prompt_text(req, c) if req.echo else "") + c.det.text,
+                      "logprobs": None if c.logprobs is None else self.completion_logprobs(req, c),
+                      "finish_reason": self.finish_reason(c)} for c in choices]
             obj = "text_completion"
         else:
             items = [{"index": c.index, "message": {"role": "assistant", "content": c.det.text},
-                      "logprobs": None, "finish_reason": self.finish_reason(c)} for c in choices]
+                      "logprobs": None if c.logprobs is None else self.chat_logprobs(c),
+                      "finish_reason": self.finish_reason(c)} for c in choices]
             obj = "chat.completion"
         return {"id": rid, "object": obj, "created": created, "model": model, "choices": items,
                 "usage": self.usage(choices), "timings": self.timings(choices)}
+
+    def prompt_text(self, req: ParsedRequest, c: Choice) -> str:
+        """The prompt as ``echo`` returns it: the text sent, or the decoded token ids."""
+        p = req.prompts[c.index]
+        return p if isinstance(p, str) else self.tokenizer.decode(c.prompt_ids)
 
     async def sse(self, req: ParsedRequest, rid: str, created: int, choices: list[Choice], out, request: Request):
         model = self.state.settings.name

@@ -108,6 +108,20 @@ class ServingEngine:
         rid = await asyncio.wrap_future(fut)
         return rid, out
 
+    async def call(self, fn):
+        """Run ``fn()`` in the engine thread between two steps (the model is not thread-safe) and return its result
+        (a scoring pass, for example; running requests wait for it as for a prefill chunk).
+
+        Raises:
+            what ``fn`` raises, and RuntimeError when the engine thread has stopped.
+        """
+        if not self.alive:
+            raise RuntimeError("the engine thread is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, fut))
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
     def cancel(self, request_id: str) -> None:
         """Stop a request at the engine's next iteration and free its pages (no-op when it has finished)."""
         self._commands.put(("cancel", request_id, None))
@@ -152,6 +166,12 @@ class ServingEngine:
                 if payload in sched.sequences:
                     sched.cancel(payload)
                     self._finished(payload)
+                continue
+            if kind == "call":
+                try:
+                    fut.set_result(payload())
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    fut.set_exception(exc)
                 continue
             ids, params, mode, max_tokens, loop, out = payload
             try:

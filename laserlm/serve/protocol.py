@@ -4,9 +4,12 @@ The fields follow the OpenAI API reference (``/v1/completions``, ``/v1/chat/comp
 llama.cpp's server accept them: ``max_tokens`` (``max_completion_tokens`` for chat), ``temperature`` (default
 1.0, in 0-2, as OpenAI), ``top_p``, ``top_k`` (vLLM's extension; 0 or -1 = off), ``stop`` (at most
 :data:`MAX_STOP_STRINGS` strings of at most :data:`MAX_STOP_CHARS` characters), ``seed``, ``stream``,
-``stream_options.include_usage``, plus laserlm's ``mode`` (a mode spec the server allows). Fields laserlm does
-not implement (``n > 1``, ``logprobs``, ``echo``, penalties, ``logit_bias``, tools) are refused with a 400
-naming the field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible servers do.
+``stream_options.include_usage``, plus laserlm's ``mode`` (a mode spec the server allows). Log-probabilities:
+completions take ``logprobs`` (alternatives per token, 0-:data:`MAX_LOGPROBS`) and ``echo`` (the prompt's tokens
+scored too; ``max_tokens: 0`` then only scores the prompt), chat takes ``logprobs: true`` and ``top_logprobs``.
+Fields laserlm does not implement (``n > 1``, penalties, ``logit_bias``, tools, logprobs on a stream) are refused
+with a 400 naming the field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible
+servers do.
 
 Every error is an :class:`APIError`, rendered as ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -23,6 +26,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 MAX_STOP_STRINGS = 16              # OpenAI allows 4; vLLM and llama.cpp no limit: room for client-side templates
 MAX_STOP_CHARS = 256               # per stop string: the detokenizer's stop search is windowed to the longest one
 MAX_TEMPERATURE = 2.0              # OpenAI's documented range is 0-2
+MAX_LOGPROBS = 20                  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default max)
 
 
 class APIError(Exception):
@@ -62,6 +66,8 @@ class ParsedRequest:
         max_tokens_given: whether the body set ``max_tokens`` (chat defaults to the room left in the context).
         mode: the requested mode spec (``None``: the server's default).
         stream, include_usage: streaming and its usage chunk.
+        logprobs: alternatives per token to report (``None``: no log-probabilities).
+        echo: completions only: return the prompt before the completion, with its tokens' log-probabilities.
     """
 
     kind: str
@@ -72,6 +78,8 @@ class ParsedRequest:
     mode: str | None = None
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None
+    echo: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -135,9 +143,6 @@ def _unsupported(body: dict) -> None:
         raise bad("'n' must be 1: laserlm returns one choice per prompt", "n")
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' is not supported (use 1)", "best_of")
-    for name in ("logprobs", "top_logprobs", "echo"):
-        if body.get(name) not in (None, False, 0):
-            raise bad(f"'{name}' is not supported by laserlm's server", name)
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise bad(f"'{name}' is not supported by laserlm's server (use 0)", name)
@@ -234,10 +239,29 @@ def parse_completion(body: dict) -> ParsedRequest:
             _text(p, "prompt")
         elif any(not 0 <= t < 2**63 for t in p):
             raise bad("token ids in 'prompt' must be non-negative integers of the model's vocabulary", "prompt")
+    echo = body.get("echo", False)
+    if echo is None:
+        echo = False
+    if not isinstance(echo, bool):
+        raise bad("'echo' must be true or false", "echo")
+    logprobs = _int(body, "logprobs", lo=0)
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise bad(f"'logprobs' must be at most {MAX_LOGPROBS}, got {logprobs}", "logprobs")
     given = body.get("max_tokens") is not None
-    max_tokens = _int(body, "max_tokens", lo=1, default=COMPLETION_DEFAULT_MAX_TOKENS)
-    return ParsedRequest("completion", common["model"], prompts, _sampling(body, max_tokens), given,
-                         common["mode"], common["stream"], common["include_usage"])
+    max_tokens = _int(body, "max_tokens", lo=0, default=COMPLETION_DEFAULT_MAX_TOKENS)
+    if max_tokens == 0 and not echo:
+        raise bad("'max_tokens' must be >= 1 (0 only with 'echo', to score the prompt)", "max_tokens")
+    params = _sampling(body, max(max_tokens, 1))
+    if max_tokens == 0:
+        params.max_new_tokens = 0
+    _no_stream_logprobs(common, logprobs)
+    return ParsedRequest("completion", common["model"], prompts, params, given, common["mode"], common["stream"],
+                         common["include_usage"], logprobs, echo)
+
+
+def _no_stream_logprobs(common: dict, logprobs) -> None:
+    if logprobs is not None and common["stream"]:
+        raise bad("log-probabilities are not available on a stream yet: set 'stream': false", "logprobs")
 
 
 def _message_text(content, i: int) -> str:
@@ -278,5 +302,18 @@ def parse_chat(body: dict) -> ParsedRequest:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     given = body.get(name) is not None
     max_tokens = _int(body, name, lo=1, default=1)
+    want = body.get("logprobs", False)
+    if want is None:
+        want = False
+    if not isinstance(want, bool):
+        raise bad("'logprobs' must be true or false for chat (the number of alternatives is 'top_logprobs')",
+                  "logprobs")
+    top = _int(body, "top_logprobs", lo=0)
+    if top is not None and top > MAX_LOGPROBS:
+        raise bad(f"'top_logprobs' must be at most {MAX_LOGPROBS}, got {top}", "top_logprobs")
+    if top is not None and not want:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    logprobs = (top or 0) if want else None
+    _no_stream_logprobs(common, logprobs)
     return ParsedRequest("chat", common["model"], [clean], _sampling(body, max_tokens), given,
-                         common["mode"], common["stream"], common["include_usage"])
+                         common["mode"], common["stream"], common["include_usage"], logprobs)
