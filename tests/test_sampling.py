@@ -364,3 +364,40 @@ def test_scripted_context_limit():
     assert r.finish_reason == "context" and r.generated_tokens == 7
     _, r = _run([ord("x")] * 50, max_new_tokens=7, max_seq_len=10)
     assert r.finish_reason == "length" and r.generated_tokens == 7
+
+
+# -- penalties ---------------------------------------------------------------------------------------------------
+def test_penalties_equal_a_hand_computation_on_a_fixed_vector():
+    """vLLM's definitions, computed by hand: repetition on prompt + output tokens (divide a positive logit, multiply a
+    negative one), frequency per occurrence in the output, presence once per output token."""
+    from laserlm.runtime.sampling import apply_penalties
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 0.0])
+    prompt, output = torch.tensor([0, 1]), [3, 3, 4]
+    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0).validate()
+    got = apply_penalties(logits, p, prompt, output)
+    # token: rep (prompt or output) -> frequency (count) -> presence
+    want = [2.0 / 2, -1.0 * 2, 0.5, 3.0 / 2 - 0.25 * 2 - 0.5, -2.0 * 2 - 0.25 * 1 - 0.5, 0.0]
+    assert got.tolist() == pytest.approx(want, abs=1e-6)
+    assert apply_penalties(logits, SamplingParams(), prompt, output).tolist() == logits.tolist()
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"repetition_penalty": 0},
+                {"repetition_penalty": float("inf")}):
+        with pytest.raises(Exception, match="penalty"):
+            SamplingParams(**bad).validate()
+
+
+def test_repetition_penalty_greedy_equals_transformers_generate(smol, smol_ref):
+    """Greedy decoding with ``repetition_penalty`` equals transformers' own ``generate`` with its
+    RepetitionPenaltyLogitsProcessor (the same CTRL rule over prompt + generated tokens) on the same float weights;
+    frequency/presence penalties change the output of a prompt the model otherwise loops on."""
+    prompt = "I am a wolf, I am a wolf, I am a wolf,"
+    ids = smol.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    ref = smol_ref.generate(ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.3,
+                            pad_token_id=smol.tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+    got = smol.generate(prompt, max_new_tokens=16, repetition_penalty=1.3, ignore_eos=True)
+    assert got.token_ids[:len(ref)] == ref
+    plain = smol.generate(prompt, max_new_tokens=16, ignore_eos=True)
+    pen = smol.generate(prompt, max_new_tokens=16, frequency_penalty=1.0, presence_penalty=1.0, ignore_eos=True)
+    assert plain.token_ids != pen.token_ids
+    with pytest.raises(Exception, match="penalt"):
+        smol.generate(prompt, max_new_tokens=4, mode="speculative:draft=ngram", presence_penalty=0.5)

@@ -125,7 +125,7 @@ def _error(status: int, body, expect_status: int, code=None, param=None):
 
 @pytest.mark.parametrize("patch,param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": "ten"}, "max_tokens"), ({"n": 2}, "n"), ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"),
+    ({"max_tokens": "ten"}, "max_tokens"), ({"n": 17}, "n"), ({"n": 0}, "n"), ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"echo": "yes"}, "echo"),
     ({"stream": "yes"}, "stream"), ({"model": None}, "model"), ({"prompt": [10**9]}, None),
     ({"seed": 2**64}, "seed"), ({"max_tokens": 4.5}, "max_tokens"), ({"prompt": ["a", 1]}, "prompt"),
@@ -133,7 +133,8 @@ def _error(status: int, body, expect_status: int, code=None, param=None):
     ({"prompt": [49152]}, "prompt"), ({"stream": True, "stream_options": {"include_usage": "no"}}, "stream_options"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"top_p": None, "temperature": "hot"},
                                                                       "temperature"),
-    ({"n": True}, "n"), ({"temperature": 1e9}, "temperature"), ({"temperature": 2.5}, "temperature"),
+    ({"n": True}, "n"), ({"temperature": 1e9}, "temperature"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"), ({"temperature": 2.5}, "temperature"),
     ({"stop": ["x"] * 17}, "stop"), ({"stop": "y" * 257}, "stop"),
 ])
 def test_invalid_parameters_are_400(server, patch, param):
@@ -556,3 +557,29 @@ def test_logprobs_of_generated_tokens_chat_and_completions(server, client, smol_
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=1, stream=True)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=0)
+
+
+def test_n_choices_with_documented_seeds_and_penalties(server, client, smol):
+    """``n = 3`` returns 3 choices; with a seed, choice ``j`` equals the same request with ``n = 1`` and seed
+    ``seed + j`` (as documented). Penalties reach the sampler (a looping prompt changes under them, offline's
+    output with the same penalties is the reference) and are refused with a speculative mode."""
+    kw = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0.9, seed=11)
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 3 * 8
+    for j, c in enumerate(r.choices):
+        one = client.completions.create(**{**kw, "seed": 11 + j})
+        assert c.text == one.choices[0].text
+    assert len({c.text for c in r.choices}) > 1  # the seeds differ, so (almost surely) the samples do
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    loop = "I am a wolf, I am a wolf, I am a wolf,"
+    plain = client.completions.create(model=MODEL, prompt=loop, max_tokens=12, temperature=0)
+    pen = client.completions.create(model=MODEL, prompt=loop, max_tokens=12, temperature=0, frequency_penalty=1.0,
+                                    presence_penalty=0.5, extra_body={"repetition_penalty": 1.2})
+    assert pen.choices[0].text != plain.choices[0].text
+    ref = smol.generate(loop, max_new_tokens=12, frequency_penalty=1.0, presence_penalty=0.5, repetition_penalty=1.2)
+    assert pen.choices[0].text == ref.text
+    with pytest.raises(openai.BadRequestError, match="penalt"):
+        client.completions.create(model=MODEL, prompt=loop, max_tokens=4, presence_penalty=0.5,
+                                  extra_body={"mode": NGRAM})

@@ -18,7 +18,7 @@ import torch
 
 from .generate import TokenEvent
 from .request import Request, new_request
-from .sampling import SamplingParams
+from .sampling import SamplingParams, check_mode_penalties
 
 
 @dataclass
@@ -57,6 +57,7 @@ class RequestRun:
     of a step is the step's wall time (the first: TTFT), of the others 0."""
 
     def __init__(self, engine, mode, request: Request):
+        check_mode_penalties(request.params, mode)
         self.engine, self.mode, self.request = engine, mode, request
         self._it = self._run()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import KVCache
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, apply_penalties, make_generator, sample
 
 _ids = itertools.count()
 
@@ -59,7 +59,9 @@ class Request:
         return self.max_tokens - len(self.output_ids)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """A token from ``logits [V]`` under this request's sampling parameters and RNG."""
+        """A token from ``logits [V]`` under this request's sampling parameters, penalties and RNG."""
+        if self.params.penalized:
+            logits = apply_penalties(logits.reshape(-1), self.params, self.prompt_ids, self.output_ids)
         return int(sample(logits.reshape(1, -1), self.params, self.generator)[0])
 
 

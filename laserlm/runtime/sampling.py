@@ -26,6 +26,10 @@ class SamplingParams:
         seed: seed of the sampling generator (None = nondeterministic).
         stop: strings that end generation; the stop string is not included in the output.
         ignore_eos: keep generating after an end-of-sequence token.
+        presence_penalty: subtracted from the logit of every token already generated, in [-2, 2] (OpenAI; 0 = off).
+        frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2] (OpenAI; 0 = off).
+        repetition_penalty: > 0; a token seen in the prompt or the output has its logit divided by it when positive,
+            multiplied when negative (CTRL, Keskar et al. 2019, as vLLM and transformers; 1 = off).
     """
 
     max_new_tokens: int = 128
@@ -35,6 +39,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self) -> SamplingParams:
         """Check every value; raises :class:`InvalidArgumentError` naming the bad one."""
@@ -55,11 +62,61 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise InvalidArgumentError("stop strings must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise InvalidArgumentError(f"{name} must be a number in [-2, 2], got {v!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
+            raise InvalidArgumentError(f"repetition_penalty must be a finite number > 0, got {r!r}")
         return self
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes the logits (see :func:`apply_penalties`)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: torch.Tensor,
+                    output_ids: list[int]) -> torch.Tensor:
+    """``logits [V]`` with vLLM's penalties applied (its ``apply_penalties``), returned as a new float32 tensor:
+
+    - repetition (CTRL): each token in ``prompt_ids`` or ``output_ids``: ``l / r`` if ``l > 0`` else ``l * r``;
+    - frequency: ``l -= frequency_penalty * count`` (occurrences in ``output_ids``);
+    - presence: ``l -= presence_penalty`` for each token in ``output_ids``.
+
+    Applied before temperature, top-k and top-p, so with temperature 0 the argmax of the penalised logits is taken.
+    """
+    out = logits.float().clone()
+    v = out.shape[-1]
+    if params.repetition_penalty != 1:
+        seen = torch.zeros(v, dtype=torch.bool)
+        seen[prompt_ids.reshape(-1).long()] = True
+        if output_ids:
+            seen[torch.tensor(output_ids, dtype=torch.long)] = True
+        r = float(params.repetition_penalty)
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    if output_ids and (params.frequency_penalty != 0 or params.presence_penalty != 0):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=v)[:v].float()
+        out = out - float(params.frequency_penalty) * counts - float(params.presence_penalty) * (counts > 0).float()
+    return out
+
+
+def check_mode_penalties(params: SamplingParams, mode) -> None:
+    """Refuse penalties for a mode that picks tokens without :meth:`Request.sample` (``supports_penalties =
+    False``: speculative decoding accepts drafted tokens against the unpenalised target distribution).
+
+    Raises:
+        InvalidArgumentError: naming the mode.
+    """
+    if params.penalized and not getattr(mode, "supports_penalties", True):
+        raise InvalidArgumentError(f"presence/frequency/repetition penalties are not supported with the "
+                                   f"{getattr(mode, 'name', type(mode).__name__)} mode (its drafts are verified "
+                                   "against the unpenalised distribution); use another mode or no penalty")
 
 
 def make_generator(seed: int | None) -> torch.Generator:

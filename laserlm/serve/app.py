@@ -185,6 +185,7 @@ class Choice:
     done: bool = False  # no more text for this choice
     finished: Finished | None = None
     prompt_ids: list[int] = field(default_factory=list)
+    prompt_index: int = 0
     logprobs: object = None  # a TokenLogprobs of prompt + completion, when the request asked for them
 
 
@@ -332,9 +333,10 @@ class Server:
         self.check_model(req.model)
         mode = self.pick_mode(req.mode)
         cfg = self.state.engine.scheduler.config
-        if len(req.prompts) > cfg.max_batch + cfg.max_queue:
-            raise bad(f"{len(req.prompts)} prompts in one request, but this server runs at most {cfg.max_batch} and "
-                      f"queues {cfg.max_queue} (--max-batch, --max-queue); split the request", "prompt")
+        if len(req.prompts) * req.n > cfg.max_batch + cfg.max_queue:
+            raise bad(f"{len(req.prompts)} prompts x n = {req.n} choices in one request, but this server runs at most "
+                      f"{cfg.max_batch} and queues {cfg.max_queue} (--max-batch, --max-queue); split the request",
+                      "prompt")
         ids = await asyncio.to_thread(self.encode, req)  # a long prompt must not stall the other streams
         params = req.params
         if not req.max_tokens_given and req.kind == "chat":
@@ -351,17 +353,28 @@ class Server:
         return mode, ids, params
 
     # -- running ----------------------------------------------------------------------------------------
-    async def submit(self, mode, ids: list[torch.Tensor], params) -> tuple[list[Choice], asyncio.Queue]:
+    @staticmethod
+    def choice_params(params, j: int):
+        """Sampling parameters of choice ``j`` of a prompt: a seeded request's choice ``j`` uses ``seed + j``
+        (modulo 2**64), so each choice equals the same request with ``n = 1`` and that seed."""
+        if j == 0 or params.seed is None:
+            return params
+        return dataclasses.replace(params, seed=(params.seed + j) % 2**64)
+
+    async def submit(self, mode, ids: list[torch.Tensor], params, n: int = 1) -> tuple[list[Choice], asyncio.Queue]:
+        """Submit ``n`` choices of every prompt (choice index ``prompt * n + j``, OpenAI's order); all or none."""
         engine = self.state.engine
         choices: list[Choice] = []
         out: asyncio.Queue | None = None
         try:
             for i, p in enumerate(ids):
-                t0 = time.perf_counter()
-                rid, q = await engine.submit(p, params, mode, out=out)
-                out = q
-                choices.append(Choice(i, rid, int(p.numel()), Detokenizer(self.tokenizer, params, self.eos_ids), t0,
-                                      prompt_ids=p.tolist()))
+                for j in range(n):
+                    t0 = time.perf_counter()
+                    pj = self.choice_params(params, j)
+                    rid, q = await engine.submit(p, pj, mode, out=out)
+                    out = q
+                    choices.append(Choice(i * n + j, rid, int(p.numel()), Detokenizer(self.tokenizer, pj, self.eos_ids),
+                                          t0, prompt_ids=p.tolist(), prompt_index=i))
         except BaseException as exc:
             for c in choices:  # all prompts or none
                 engine.cancel(c.request_id)
@@ -480,12 +493,13 @@ class Server:
         rid = ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if params.max_new_tokens == 0:  # echo with max_tokens 0: score the prompt, generate nothing
-            choices = [Choice(i, f"{rid}-{i}", int(p.numel()), Detokenizer(self.tokenizer, params, self.eos_ids),
-                              time.perf_counter(), done=True, finished=Finished(f"{rid}-{i}", "length"),
-                              prompt_ids=p.tolist()) for i, p in enumerate(ids)]
+            choices = [Choice(i * req.n + j, f"{rid}-{i}-{j}", int(p.numel()),
+                              Detokenizer(self.tokenizer, params, self.eos_ids), time.perf_counter(), done=True,
+                              finished=Finished(f"{rid}-{i}-{j}", "length"), prompt_ids=p.tolist(), prompt_index=i)
+                       for i, p in enumerate(ids) for j in range(req.n)]
             await self.score(req, choices)
             return JSONResponse(self.body(req, rid, created, choices))
-        choices, out = await self.submit(mode, ids, params)
+        choices, out = await self.submit(mode, ids, params, req.n)
         if req.stream:
             return StreamingResponse(self.sse(req, rid, created, choices, out, request),
                                      media_type="text/event-stream",
@@ -576,7 +590,7 @@ class Server:
 
     def prompt_text(self, req: ParsedRequest, c: Choice) -> str:
         """The prompt as ``echo`` returns it: the text sent, or the decoded token ids."""
-        p = req.prompts[c.index]
+        p = req.prompts[c.prompt_index]
         return p if isinstance(p, str) else self.tokenizer.decode(c.prompt_ids)
 
     async def sse(self, req: ParsedRequest, rid: str, created: int, choices: list[Choice], out, request: Request):

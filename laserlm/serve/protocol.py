@@ -7,7 +7,10 @@ llama.cpp's server accept them: ``max_tokens`` (``max_completion_tokens`` for ch
 ``stream_options.include_usage``, plus laserlm's ``mode`` (a mode spec the server allows). Log-probabilities:
 completions take ``logprobs`` (alternatives per token, 0-:data:`MAX_LOGPROBS`) and ``echo`` (the prompt's tokens
 scored too; ``max_tokens: 0`` then only scores the prompt), chat takes ``logprobs: true`` and ``top_logprobs``.
-Fields laserlm does not implement (``n > 1``, penalties, ``logit_bias``, tools, logprobs on a stream) are refused
+Penalties: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, -2..2) and ``repetition_penalty`` (vLLM's
+extension, > 0), as :func:`~laserlm.runtime.sampling.apply_penalties` defines them.
+``n`` (at most :data:`MAX_N`) choices per prompt.
+Fields laserlm does not implement (``best_of``, ``logit_bias``, tools, logprobs on a stream) are refused
 with a 400 naming the field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible
 servers do.
 
@@ -26,6 +29,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 MAX_STOP_STRINGS = 16              # OpenAI allows 4; vLLM and llama.cpp no limit: room for client-side templates
 MAX_STOP_CHARS = 256               # per stop string: the detokenizer's stop search is windowed to the longest one
 MAX_TEMPERATURE = 2.0              # OpenAI's documented range is 0-2
+MAX_N = 16                         # choices per prompt (``n``)
 MAX_LOGPROBS = 20                  # alternatives per token (OpenAI's top_logprobs limit, vLLM's default max)
 
 
@@ -66,6 +70,7 @@ class ParsedRequest:
         max_tokens_given: whether the body set ``max_tokens`` (chat defaults to the room left in the context).
         mode: the requested mode spec (``None``: the server's default).
         stream, include_usage: streaming and its usage chunk.
+        n: choices per prompt (choice ``j`` of a seeded request samples with ``seed + j``).
         logprobs: alternatives per token to report (``None``: no log-probabilities).
         echo: completions only: return the prompt before the completion, with its tokens' log-probabilities.
     """
@@ -80,6 +85,7 @@ class ParsedRequest:
     include_usage: bool = False
     logprobs: int | None = None
     echo: bool = False
+    n: int = 1
     extra: dict = field(default_factory=dict)
 
 
@@ -138,14 +144,8 @@ def _text(s: str, param: str) -> str:
 
 
 def _unsupported(body: dict) -> None:
-    n = body.get("n", 1)
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
-        raise bad("'n' must be 1: laserlm returns one choice per prompt", "n")
     if body.get("best_of") not in (None, 1):
         raise bad("'best_of' is not supported (use 1)", "best_of")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise bad(f"'{name}' is not supported by laserlm's server (use 0)", name)
     if body.get("logit_bias"):
         raise bad("'logit_bias' is not supported by laserlm's server", "logit_bias")
     if body.get("tools") or body.get("functions"):
@@ -185,8 +185,17 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("'ignore_eos' must be true or false", "ignore_eos")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = _num(body, name, 0.0)
+        if not -2 <= v <= 2:
+            raise bad(f"'{name}' must be in [-2, 2], got {v}", name)
+        penalties[name] = v
+    rep = _num(body, "repetition_penalty", 1.0)
+    if not rep > 0:
+        raise bad(f"'repetition_penalty' must be > 0 (1 = off), got {rep}", "repetition_penalty")
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
-                          seed=seed, stop=stop, ignore_eos=ignore_eos)
+                          seed=seed, stop=stop, ignore_eos=ignore_eos, repetition_penalty=rep, **penalties)
 
 
 def _common(body: dict) -> dict:
@@ -208,8 +217,11 @@ def _common(body: dict) -> dict:
     mode = body.get("mode")
     if mode is not None and (not isinstance(mode, str) or not mode.strip()):
         raise bad("'mode' must be a mode spec string such as 'full'", "mode")
+    n = _int(body, "n", lo=1, default=1)
+    if n > MAX_N:
+        raise bad(f"'n' must be at most {MAX_N}, got {n}", "n")
     return {"model": model, "stream": stream, "include_usage": include_usage,
-            "mode": mode.strip() if mode else None}
+            "mode": mode.strip() if mode else None, "n": n}
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -256,7 +268,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         params.max_new_tokens = 0
     _no_stream_logprobs(common, logprobs)
     return ParsedRequest("completion", common["model"], prompts, params, given, common["mode"], common["stream"],
-                         common["include_usage"], logprobs, echo)
+                         common["include_usage"], logprobs, echo, common["n"])
 
 
 def _no_stream_logprobs(common: dict, logprobs) -> None:
@@ -316,4 +328,4 @@ def parse_chat(body: dict) -> ParsedRequest:
     logprobs = (top or 0) if want else None
     _no_stream_logprobs(common, logprobs)
     return ParsedRequest("chat", common["model"], [clean], _sampling(body, max_tokens), given,
-                         common["mode"], common["stream"], common["include_usage"], logprobs)
+                         common["mode"], common["stream"], common["include_usage"], logprobs, n=common["n"])

@@ -218,6 +218,8 @@ def head_fraction(engine) -> float:
 class SpeculativeDecoding:
     """The ``speculative`` decoding mode (see the module docstring for the algorithm).
 
+    Sampling penalties are refused (``supports_penalties``): drafts are accepted against the unpenalised target.
+
     Args:
         num_layers: decoder layers ``L`` of the engine's model (for validation).
         draft_layers: draft depth ``N``, in ``[1, L-1]``.
@@ -265,6 +267,7 @@ class SpeculativeDecoding:
     """
 
     name = "speculative"
+    supports_penalties = False
 
     def __init__(self, num_layers: int, draft_layers: int | None = None, k: int | None = None,
                  threshold: float = DEFAULT_THRESHOLD, reuse: bool = True, exit_head: ExitHead | None = None,
