@@ -295,10 +295,11 @@ class OnnxDecoder:
         from ..runtime.sampling import make_generator, sample  # noqa: PLC0415
 
         def source(prompt_ids, params, max_tokens):
-            if params.penalized:
+            if params.penalized or params.constraint is not None:
                 from ..errors import InvalidArgumentError  # noqa: PLC0415
 
-                raise InvalidArgumentError("sampling penalties are not supported by the onnxruntime backend yet")
+                raise InvalidArgumentError("sampling penalties and structured output are not supported by the "
+                                           "onnxruntime backend yet")
             gen = None if params.greedy else make_generator(params.seed)
             state = self.new_state()
             t0 = time.perf_counter()

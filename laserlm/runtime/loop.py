@@ -18,7 +18,7 @@ import torch
 
 from .generate import TokenEvent
 from .request import Request, new_request
-from .sampling import SamplingParams, check_mode_penalties
+from .sampling import SamplingParams, check_mode_sampling
 
 
 @dataclass
@@ -57,7 +57,7 @@ class RequestRun:
     of a step is the step's wall time (the first: TTFT), of the others 0."""
 
     def __init__(self, engine, mode, request: Request):
-        check_mode_penalties(request.params, mode)
+        check_mode_sampling(request.params, mode)
         self.engine, self.mode, self.request = engine, mode, request
         self._it = self._run()
 

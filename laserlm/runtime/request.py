@@ -59,10 +59,17 @@ class Request:
         return self.max_tokens - len(self.output_ids)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """A token from ``logits [V]`` under this request's sampling parameters, penalties and RNG."""
+        """A token from ``logits [V]`` under this request's sampling parameters, penalties, grammar constraint and
+        RNG (penalties first, then the grammar's mask, then temperature / top-k / top-p)."""
         if self.params.penalized:
             logits = apply_penalties(logits.reshape(-1), self.params, self.prompt_ids, self.output_ids)
-        return int(sample(logits.reshape(1, -1), self.params, self.generator)[0])
+        constraint = self.params.constraint
+        if constraint is not None:
+            logits = constraint.mask(logits.reshape(-1))
+        tok = int(sample(logits.reshape(1, -1), self.params, self.generator)[0])
+        if constraint is not None:
+            constraint.accept(tok)
+        return tok
 
 
 def new_request(engine, prompt_ids: torch.Tensor, params: SamplingParams, max_tokens: int) -> Request:

@@ -30,6 +30,8 @@ class SamplingParams:
         frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2] (OpenAI; 0 = off).
         repetition_penalty: > 0; a token seen in the prompt or the output has its logit divided by it when positive,
             multiplied when negative (CTRL, Keskar et al. 2019, as vLLM and transformers; 1 = off).
+        constraint: a :class:`~laserlm.runtime.structured.GrammarConstraint` (per-request state: the tokens a
+            grammar allows next, e.g. a JSON schema), or None.
     """
 
     max_new_tokens: int = 128
@@ -42,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    constraint: object = None
 
     def validate(self) -> SamplingParams:
         """Check every value; raises :class:`InvalidArgumentError` naming the bad one."""
@@ -106,17 +109,24 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: to
     return out
 
 
-def check_mode_penalties(params: SamplingParams, mode) -> None:
-    """Refuse penalties for a mode that picks tokens without :meth:`Request.sample` (``supports_penalties =
-    False``: speculative decoding accepts drafted tokens against the unpenalised target distribution).
+def check_mode_sampling(params: SamplingParams, mode) -> None:
+    """Refuse penalties and grammar constraints for a mode that accepts tokens without :meth:`Request.sample`
+    (``samples_each_token = False``: speculative decoding accepts drafted tokens against the unchanged target
+    distribution).
 
     Raises:
         InvalidArgumentError: naming the mode.
     """
-    if params.penalized and not getattr(mode, "supports_penalties", True):
-        raise InvalidArgumentError(f"presence/frequency/repetition penalties are not supported with the "
-                                   f"{getattr(mode, 'name', type(mode).__name__)} mode (its drafts are verified "
-                                   "against the unpenalised distribution); use another mode or no penalty")
+    if getattr(mode, "samples_each_token", True):
+        return
+    name = getattr(mode, "name", type(mode).__name__)
+    if params.penalized:
+        raise InvalidArgumentError(f"presence/frequency/repetition penalties are not supported with the {name} mode "
+                                   "(its drafts are verified against the unpenalised distribution); use another mode "
+                                   "or no penalty")
+    if params.constraint is not None:
+        raise InvalidArgumentError(f"structured output (response_format) is not supported with the {name} mode (its "
+                                   "drafts are verified against the unconstrained distribution); use another mode")
 
 
 def make_generator(seed: int | None) -> torch.Generator:

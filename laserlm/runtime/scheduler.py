@@ -49,7 +49,7 @@ from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedCache, budget_amount
 from .loop import Emitted, advance, record, start
 from .modes import FullDepth
 from .request import Request
-from .sampling import SamplingParams, check_mode_penalties, make_generator
+from .sampling import SamplingParams, check_mode_sampling, make_generator
 
 
 @dataclass
@@ -208,7 +208,7 @@ class Scheduler:
         params = (params or SamplingParams()).validate()
         mode = mode if mode is not None else self._full
         self._check_supported(mode)
-        check_mode_penalties(params, mode)
+        check_mode_sampling(params, mode)
         ids = torch.as_tensor(prompt_ids)
         if ids.dim() > 1 and not (ids.dim() == 2 and ids.shape[0] == 1):
             raise InvalidArgumentError(f"one prompt per request: token ids of shape [T] expected, got {list(ids.shape)}")

@@ -40,6 +40,7 @@ from ..errors import (ContextLengthError, InvalidArgumentError, LaserLMError, No
                       QueueFullError)
 from ..runtime.generate import Detokenizer, encode_prompt
 from ..runtime.scores import full_depth_logprobs
+from ..runtime.structured import json_constraint
 from .engine import Finished, ServingEngine, TokenBatch
 from .metrics import ServerMetrics
 from .protocol import APIError, ParsedRequest, bad, parse_chat, parse_completion, parse_json
@@ -346,6 +347,14 @@ class Server:
                 room = min(room, pool.num_pages // pool.num_layers * pool.page_size - max(i.numel() for i in ids))
             params = dataclasses.replace(params, max_new_tokens=max(1, min(self.state.settings.default_max_tokens,
                                                                             room)))
+        if req.response_format is not None:  # compile the schema off the event loop
+            try:
+                vocab = self.state.lm.engine.config.vocab_size
+                constraint = await asyncio.to_thread(json_constraint, self.tokenizer, vocab,
+                                                     req.response_format["schema"])
+            except InvalidArgumentError as exc:
+                raise bad(str(exc), "response_format") from None
+            params = dataclasses.replace(params, constraint=constraint)
         try:  # max_new_tokens 0 (echo, scoring only) is valid here; the rest is the sampler's check
             dataclasses.replace(params, max_new_tokens=max(params.max_new_tokens, 1)).validate()
         except InvalidArgumentError as exc:
@@ -371,6 +380,8 @@ class Server:
                 for j in range(n):
                     t0 = time.perf_counter()
                     pj = self.choice_params(params, j)
+                    if params.constraint is not None and (i, j) != (0, 0):  # grammar state is per choice
+                        pj = dataclasses.replace(pj, constraint=params.constraint.fork())
                     rid, q = await engine.submit(p, pj, mode, out=out)
                     out = q
                     choices.append(Choice(i * n + j, rid, int(p.numel()), Detokenizer(self.tokenizer, pj, self.eos_ids),

@@ -9,7 +9,9 @@ completions take ``logprobs`` (alternatives per token, 0-:data:`MAX_LOGPROBS`) a
 scored too; ``max_tokens: 0`` then only scores the prompt), chat takes ``logprobs: true`` and ``top_logprobs``.
 Penalties: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, -2..2) and ``repetition_penalty`` (vLLM's
 extension, > 0), as :func:`~laserlm.runtime.sampling.apply_penalties` defines them.
-``n`` (at most :data:`MAX_N`) choices per prompt.
+``n`` (at most :data:`MAX_N`) choices per prompt. ``response_format`` ``json_object`` or ``json_schema``: decoding
+under the schema's grammar (:mod:`laserlm.runtime.structured`); a schema feature the grammar engine does not
+support is a 400 naming it.
 Fields laserlm does not implement (``best_of``, ``logit_bias``, tools, logprobs on a stream) are refused
 with a 400 naming the field rather than silently ignored; unknown fields are ignored, as OpenAI-compatible
 servers do.
@@ -71,6 +73,8 @@ class ParsedRequest:
         mode: the requested mode spec (``None``: the server's default).
         stream, include_usage: streaming and its usage chunk.
         n: choices per prompt (choice ``j`` of a seeded request samples with ``seed + j``).
+        response_format: ``None`` (text) or ``{"schema": dict | None}``: decode under that JSON schema (None: any
+            JSON object).
         logprobs: alternatives per token to report (``None``: no log-probabilities).
         echo: completions only: return the prompt before the completion, with its tokens' log-probabilities.
     """
@@ -86,6 +90,7 @@ class ParsedRequest:
     logprobs: int | None = None
     echo: bool = False
     n: int = 1
+    response_format: dict | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -152,9 +157,27 @@ def _unsupported(body: dict) -> None:
         raise bad("tool calling is not supported by laserlm's server", "tools")
     if body.get("suffix"):
         raise bad("'suffix' is not supported by laserlm's server", "suffix")
+
+
+def _response_format(body: dict) -> dict | None:
+    """``response_format`` -> ``None`` (text) or ``{"schema": dict | None}`` (``json_object``: any JSON object)."""
     fmt = body.get("response_format")
-    if fmt not in (None, {"type": "text"}):
-        raise bad("'response_format' other than text is not supported", "response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise bad("'response_format' must be an object with a 'type' (text, json_object, json_schema)",
+                  "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"schema": None}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise bad("'response_format.json_schema' must be an object with a 'schema' object", "response_format")
+        return {"schema": spec.get("schema", {})}
+    raise bad(f"'response_format.type' {kind!r} is not supported (text, json_object, json_schema)", "response_format")
 
 
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
@@ -221,7 +244,7 @@ def _common(body: dict) -> dict:
     if n > MAX_N:
         raise bad(f"'n' must be at most {MAX_N}, got {n}", "n")
     return {"model": model, "stream": stream, "include_usage": include_usage,
-            "mode": mode.strip() if mode else None, "n": n}
+            "mode": mode.strip() if mode else None, "n": n, "response_format": _response_format(body)}
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -268,7 +291,7 @@ def parse_completion(body: dict) -> ParsedRequest:
         params.max_new_tokens = 0
     _no_stream_logprobs(common, logprobs)
     return ParsedRequest("completion", common["model"], prompts, params, given, common["mode"], common["stream"],
-                         common["include_usage"], logprobs, echo, common["n"])
+                         common["include_usage"], logprobs, echo, common["n"], common["response_format"])
 
 
 def _no_stream_logprobs(common: dict, logprobs) -> None:
@@ -328,4 +351,5 @@ def parse_chat(body: dict) -> ParsedRequest:
     logprobs = (top or 0) if want else None
     _no_stream_logprobs(common, logprobs)
     return ParsedRequest("chat", common["model"], [clean], _sampling(body, max_tokens), given,
-                         common["mode"], common["stream"], common["include_usage"], logprobs, n=common["n"])
+                         common["mode"], common["stream"], common["include_usage"], logprobs, n=common["n"],
+                         response_format=common["response_format"])

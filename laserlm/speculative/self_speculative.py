@@ -218,7 +218,8 @@ def head_fraction(engine) -> float:
 class SpeculativeDecoding:
     """The ``speculative`` decoding mode (see the module docstring for the algorithm).
 
-    Sampling penalties are refused (``supports_penalties``): drafts are accepted against the unpenalised target.
+    Sampling penalties and grammar constraints are refused (``samples_each_token``): drafts are accepted against
+    the unchanged target distribution.
 
     Args:
         num_layers: decoder layers ``L`` of the engine's model (for validation).
@@ -267,7 +268,7 @@ class SpeculativeDecoding:
     """
 
     name = "speculative"
-    supports_penalties = False
+    samples_each_token = False  # drafts are accepted, not sampled: no penalties, no grammar constraints
 
     def __init__(self, num_layers: int, draft_layers: int | None = None, k: int | None = None,
                  threshold: float = DEFAULT_THRESHOLD, reuse: bool = True, exit_head: ExitHead | None = None,
