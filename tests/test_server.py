@@ -620,3 +620,40 @@ def test_json_schema_output_parses_and_validates_on_20_prompts(server, client):
     with pytest.raises(openai.BadRequestError, match="response_format"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                        response_format=fmt, extra_body={"mode": NGRAM})
+
+
+def test_logprobs_of_multibyte_text_and_stop_cuts(server):
+    """Tokens inside a character are labelled by their bytes (``bytes:\\xNN``, as vLLM), so alternatives do not
+    collide on U+FFFD; offsets point into the returned text; a stop string cut inside a token drops that token;
+    the review's other bad inputs are 400s."""
+    status, out = http("POST", server.url + "/v1/completions", {
+        "model": MODEL, "prompt": "Café 😀 naïve 日本語", "max_tokens": 0, "echo": True, "logprobs": 3}, AUTH)
+    assert status == 200, out
+    lp, text = out["choices"][0]["logprobs"], out["choices"][0]["text"]
+    assert not any("\ufffd" in t for t in lp["tokens"])
+    assert any(t.startswith("bytes:") for t in lp["tokens"])
+    assert all(0 <= o <= len(text) for o in lp["text_offset"]) and lp["text_offset"] == sorted(lp["text_offset"])
+    for i, top in enumerate(lp["top_logprobs"][1:], 1):
+        assert lp["tokens"][i] in top and top[lp["tokens"][i]] == lp["token_logprobs"][i]
+    status, out = http("POST", server.url + "/v1/completions", {
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0, "logprobs": 0,
+        "stop": ["ari"]}, AUTH)
+    c = out["choices"][0]
+    assert c["text"] == " P" and "".join(c["logprobs"]["tokens"]) in ("", " P")
+    _error(*http("POST", server.url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "repetition_penalty": 1e-300},
+                 AUTH), 400, param="repetition_penalty")
+    _error(*http("POST", server.url + "/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True,
+                                                          "stream": True}, AUTH), 400, param="echo")
+    deep = {"type": "array", "items": {}}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    for bad_schema in (False, deep):
+        _error(*http("POST", server.url + "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": bad_schema}}}, AUTH),
+            400, param="response_format")
+    out = http("POST", server.url + "/v1/completions", {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1,
+                                                        "n": 3}, AUTH)[1]
+    one = http("POST", server.url + "/v1/completions", {"model": MODEL, "prompt": "Once upon a time",
+                                                        "max_tokens": 1}, AUTH)[1]
+    assert out["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]  # the prompt counts once, not per choice

@@ -28,7 +28,7 @@ class SamplingParams:
         ignore_eos: keep generating after an end-of-sequence token.
         presence_penalty: subtracted from the logit of every token already generated, in [-2, 2] (OpenAI; 0 = off).
         frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2] (OpenAI; 0 = off).
-        repetition_penalty: > 0; a token seen in the prompt or the output has its logit divided by it when positive,
+        repetition_penalty: in [0.01, 100] (smaller would overflow logits to inf); a token seen in the prompt or the output has its logit divided by it when positive,
             multiplied when negative (CTRL, Keskar et al. 2019, as vLLM and transformers; 1 = off).
         constraint: a :class:`~laserlm.runtime.structured.GrammarConstraint` (per-request state: the tokens a
             grammar allows next, e.g. a JSON schema), or None.
@@ -70,8 +70,8 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
                 raise InvalidArgumentError(f"{name} must be a number in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (math.isfinite(r) and r > 0):
-            raise InvalidArgumentError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.01 <= r <= 100:
+            raise InvalidArgumentError(f"repetition_penalty must be in [0.01, 100] (1 = off), got {r!r}")
         return self
 
     @property

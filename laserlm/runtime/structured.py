@@ -47,11 +47,18 @@ def json_schema_grammar(schema: dict | bool | None) -> str:
     """
     if schema is None:
         schema = {"type": "object"}
+    if schema is True:  # JSON Schema's "anything"
+        schema = {}
+    if schema is False:
+        raise InvalidArgumentError("the JSON schema false matches nothing")
     try:
         text = json.dumps(schema)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgumentError(f"the JSON schema is not JSON: {exc}") from None
-    return _llguidance().LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+    try:
+        return _llguidance().LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+    except (ValueError, RuntimeError) as exc:  # llguidance's refusals (a recursion limit, options on a non-object)
+        raise InvalidArgumentError(f"unsupported JSON schema: {exc}") from None
 
 
 class GrammarConstraint:

@@ -190,6 +190,20 @@ class Choice:
     logprobs: object = None  # a TokenLogprobs of prompt + completion, when the request asked for them
 
 
+@functools.lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the byte each vocabulary character stands for."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):  # printable bytes stand for themselves, the rest for 256, 257, ... (GPT-2's encoder.py)
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected."""
 
@@ -460,7 +474,7 @@ class Server:
 
     @staticmethod
     def timings(choices: list[Choice]) -> dict:
-        prompt_n = sum(c.prompt_n for c in choices)
+        prompt_n = sum({c.prompt_index: c.prompt_n for c in choices}.values())
         predicted_n = sum(len(c.det.ids) for c in choices)
         ttfts = [c.det.ttft for c in choices if c.det.layers]
         itl = [s for c in choices for s in c.det.itl]
@@ -489,7 +503,7 @@ class Server:
 
     @staticmethod
     def usage(choices: list[Choice]) -> dict:
-        p = sum(c.prompt_n for c in choices)
+        p = sum({c.prompt_index: c.prompt_n for c in choices}.values())  # once per prompt, not per choice (OpenAI)
         g = sum(len(c.det.ids) for c in choices)
         return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g}
 
@@ -508,7 +522,10 @@ class Server:
                               Detokenizer(self.tokenizer, params, self.eos_ids), time.perf_counter(), done=True,
                               finished=Finished(f"{rid}-{i}-{j}", "length"), prompt_ids=p.tolist(), prompt_index=i)
                        for i, p in enumerate(ids) for j in range(req.n)]
-            await self.score(req, choices)
+            try:
+                await self.score(req, choices, request)
+            except ClientGone:
+                return Response(status_code=499)
             return JSONResponse(self.body(req, rid, created, choices))
         choices, out = await self.submit(mode, ids, params, req.n)
         if req.stream:
@@ -518,44 +535,79 @@ class Server:
         try:
             async for _c, _piece in self.events(choices, out, request):
                 pass
+            await self.score(req, choices, request)
         except ClientGone:
             return Response(status_code=499)
-        await self.score(req, choices)
         return JSONResponse(self.body(req, rid, created, choices))
 
     # -- log-probabilities ----------------------------------------------------------------------------------
-    async def score(self, req: ParsedRequest, choices: list[Choice]) -> None:
+    async def score(self, req: ParsedRequest, choices: list[Choice], request: Request | None = None) -> None:
         """Fill each choice's ``logprobs`` when the request asked for them: one full-depth scoring pass of prompt +
         completion in the engine thread (:func:`~laserlm.runtime.scores.full_depth_logprobs`), whatever mode
-        generated the tokens, so the values are the served model's own and match ``laserlm eval``'s scorer."""
+        generated the tokens, so the values are the served model's own and match ``laserlm eval``'s scorer. Equal
+        sequences (``n`` echoes of one prompt) are scored once; a client gone or a server draining stops it between
+        passes (a pass itself is not split: a long prompt's pass holds the other requests, as a prefill chunk of
+        its length would)."""
         if req.logprobs is None:
             return
         engine = self.state.lm.engine
+        done: dict[tuple, object] = {}
         for c in choices:
             seq = c.prompt_ids + c.det.ids
-            try:
-                c.logprobs = await self.state.engine.call(functools.partial(full_depth_logprobs, engine, seq,
-                                                                            req.logprobs))
-            except LaserLMError as exc:
-                raise _map_error(exc) from None
+            key = tuple(seq)
+            if key not in done:
+                if self.state.drain_deadline is not None and time.monotonic() > self.state.drain_deadline:
+                    raise shutting_down()
+                if request is not None and await request.is_disconnected():
+                    raise ClientGone()
+                try:
+                    done[key] = await self.state.engine.call(functools.partial(full_depth_logprobs, engine, seq,
+                                                                               req.logprobs))
+                except LaserLMError as exc:
+                    raise _map_error(exc) from None
+            c.logprobs = done[key]
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token spells: its text when it decodes alone to whole characters, else its byte-level
+        (GPT-2 ``bytes_to_unicode``) or SentencePiece ``<0xNN>`` form."""
+        text = self.tokenizer.decode([token_id])
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        piece = self.tokenizer.convert_ids_to_tokens([token_id])[0] or ""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        table = _byte_decoder()
+        if piece and all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return text.encode("utf-8")
 
     def _piece(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        """A token's label: its text, or ``bytes:\\xNN...`` for a token that is part of a character (as vLLM)."""
+        b = self._token_bytes(token_id)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
 
     def completion_logprobs(self, req: ParsedRequest, c: Choice) -> dict:
         """OpenAI's legacy completions ``logprobs`` object: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the
         ``logprobs`` most likely tokens plus the chosen one, by text) and ``text_offset`` (characters into the
         returned text); with ``echo`` the prompt's tokens come first (the very first has no log-probability)."""
         lp = c.logprobs
-        seq = c.prompt_ids + c.det.ids
+        gen = self._kept_ids(c)
+        seq = c.prompt_ids + gen
         start = 0 if req.echo else len(c.prompt_ids)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
+        base = len(self.prompt_text(req, c)) if req.echo else 0
         for i in range(start, len(seq)):
             piece = self._piece(seq[i])
             out["tokens"].append(piece)
-            out["text_offset"].append(offset)
-            offset += len(piece)
+            # where the token's text starts in the returned text (a token inside a character: that character's start)
+            if i < len(c.prompt_ids):
+                out["text_offset"].append(len(self.tokenizer.decode(seq[:i]).rstrip("\ufffd")) if i else 0)
+            else:
+                out["text_offset"].append(base + len(self.tokenizer.decode(gen[:i - len(c.prompt_ids)],
+                                                                            skip_special_tokens=True).rstrip("\ufffd")))
             if i == 0:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -567,17 +619,27 @@ class Server:
             out["top_logprobs"].append(top)
         return out
 
+    def _kept_ids(self, c: Choice) -> list[int]:
+        """The generated ids whose text lies wholly inside the returned text (a stop string cuts the text inside a
+        token: that token and the rest are not reported)."""
+        ids = c.det.ids
+        if c.det.finish != "stop":
+            return ids
+        k = len(ids)
+        while k and len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) > len(c.det.text):
+            k -= 1
+        return ids[:k]
+
     def chat_logprobs(self, c: Choice) -> dict:
         """OpenAI's chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}`` for the
         generated tokens."""
         lp, n = c.logprobs, len(c.prompt_ids)
 
         def entry(token_id: int, value: float) -> dict:
-            piece = self._piece(token_id)
-            return {"token": piece, "logprob": value, "bytes": list(piece.encode("utf-8"))}
+            return {"token": self._piece(token_id), "logprob": value, "bytes": list(self._token_bytes(token_id))}
 
         content = []
-        for k, t in enumerate(c.det.ids):
+        for k, t in enumerate(self._kept_ids(c)):
             i = n + k - 1  # the position whose distribution predicted token n + k
             e = entry(t, float(lp.token_logprobs[i]))
             e["top_logprobs"] = [entry(int(a), float(x)) for a, x in zip(lp.top_ids[i], lp.top_logprobs[i])]

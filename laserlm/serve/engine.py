@@ -168,12 +168,16 @@ class ServingEngine:
                     self._finished(payload)
                 continue
             if kind == "call":
+                if not fut.set_running_or_notify_cancel():  # the caller went away (shutdown, a closed client)
+                    continue
                 try:
                     fut.set_result(payload())
                 except BaseException as exc:  # noqa: BLE001 - the caller gets it
                     fut.set_exception(exc)
                 continue
             ids, params, mode, max_tokens, loop, out = payload
+            if not fut.set_running_or_notify_cancel():
+                continue
             try:
                 rid = sched.submit(ids, params, mode, max_tokens)
             except BaseException as exc:  # noqa: BLE001 - the handler turns it into an HTTP error

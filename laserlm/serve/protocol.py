@@ -215,8 +215,8 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
             raise bad(f"'{name}' must be in [-2, 2], got {v}", name)
         penalties[name] = v
     rep = _num(body, "repetition_penalty", 1.0)
-    if not rep > 0:
-        raise bad(f"'repetition_penalty' must be > 0 (1 = off), got {rep}", "repetition_penalty")
+    if not 0.01 <= rep <= 100:
+        raise bad(f"'repetition_penalty' must be in [0.01, 100] (1 = off), got {rep}", "repetition_penalty")
     return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                           seed=seed, stop=stop, ignore_eos=ignore_eos, repetition_penalty=rep, **penalties)
 
@@ -286,6 +286,8 @@ def parse_completion(body: dict) -> ParsedRequest:
     max_tokens = _int(body, "max_tokens", lo=0, default=COMPLETION_DEFAULT_MAX_TOKENS)
     if max_tokens == 0 and not echo:
         raise bad("'max_tokens' must be >= 1 (0 only with 'echo', to score the prompt)", "max_tokens")
+    if echo and common["stream"]:
+        raise bad("'echo' is not available on a stream yet: set 'stream': false", "echo")
     params = _sampling(body, max(max_tokens, 1))
     if max_tokens == 0:
         params.max_new_tokens = 0
