@@ -28,8 +28,9 @@ class SamplingParams:
         ignore_eos: keep generating after an end-of-sequence token.
         presence_penalty: subtracted from the logit of every token already generated, in [-2, 2] (OpenAI; 0 = off).
         frequency_penalty: subtracted once per earlier occurrence in the output, in [-2, 2] (OpenAI; 0 = off).
-        repetition_penalty: in [0.01, 100] (smaller would overflow logits to inf); a token seen in the prompt or the output has its logit divided by it when positive,
-            multiplied when negative (CTRL, Keskar et al. 2019, as vLLM and transformers; 1 = off).
+        repetition_penalty: in [0.01, 100] (a smaller one overflows logits to inf); a token seen in the prompt or the
+            output has its logit divided by it when positive, multiplied when negative (CTRL, Keskar et al. 2019, as
+            vLLM and transformers; 1 = off).
         constraint: a :class:`~laserlm.runtime.structured.GrammarConstraint` (per-request state: the tokens a
             grammar allows next, e.g. a JSON schema), or None.
     """

@@ -143,6 +143,11 @@ class ServerState:
     def draining(self) -> bool:
         return self.drain_deadline is not None
 
+    @property
+    def drain_expired(self) -> bool:
+        """Draining, and the time running requests were given has passed: end them."""
+        return self.drain_deadline is not None and time.monotonic() > self.drain_deadline
+
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -417,7 +422,7 @@ class Server:
         checked = time.monotonic()
         try:
             while not all(c.finished for c in choices):
-                if self.state.drain_deadline is not None and time.monotonic() > self.state.drain_deadline:
+                if self.state.drain_expired:
                     raise shutting_down()
                 if getter is None:
                     getter = asyncio.ensure_future(out.get())
@@ -556,7 +561,7 @@ class Server:
             seq = c.prompt_ids + c.det.ids
             key = tuple(seq)
             if key not in done:
-                if self.state.drain_deadline is not None and time.monotonic() > self.state.drain_deadline:
+                if self.state.drain_expired:
                     raise shutting_down()
                 if request is not None and await request.is_disconnected():
                     raise ClientGone()

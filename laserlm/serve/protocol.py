@@ -8,7 +8,7 @@ llama.cpp's server accept them: ``max_tokens`` (``max_completion_tokens`` for ch
 completions take ``logprobs`` (alternatives per token, 0-:data:`MAX_LOGPROBS`) and ``echo`` (the prompt's tokens
 scored too; ``max_tokens: 0`` then only scores the prompt), chat takes ``logprobs: true`` and ``top_logprobs``.
 Penalties: ``presence_penalty`` and ``frequency_penalty`` (OpenAI, -2..2) and ``repetition_penalty`` (vLLM's
-extension, > 0), as :func:`~laserlm.runtime.sampling.apply_penalties` defines them.
+extension, 0.01-100), as :func:`~laserlm.runtime.sampling.apply_penalties` defines them.
 ``n`` (at most :data:`MAX_N`) choices per prompt. ``response_format`` ``json_object`` or ``json_schema``: decoding
 under the schema's grammar (:mod:`laserlm.runtime.structured`); a schema feature the grammar engine does not
 support is a 400 naming it.
