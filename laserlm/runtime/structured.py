@@ -1,10 +1,8 @@
 """Structured output: a grammar's token mask applied in the sampler, so the text parses (JSON object, JSON schema).
 
-The grammar engine is llguidance (Microsoft's guidance library, the engine behind OpenAI-compatible JSON-schema
-decoding in several servers): it compiles a JSON schema lazily and fills a vocabulary bitmask per token (measured on
-SmolLM2's 49k vocabulary, one CPU thread: median 14 us, worst 2 ms per token, against 5-10 ms per decode step;
-benchmarks/RESULTS.md). xgrammar was 3.5x faster per mask (4 us median) but needs Triton, a GPU compiler of about
-half a gigabyte, on a CPU install: at under 0.3 % of a step either way, the lighter dependency won.
+The grammar engine is llguidance (Microsoft's guidance library): it compiles a JSON schema lazily and fills a
+vocabulary bitmask per token. It was chosen over xgrammar, which was faster per mask but needs Triton (a GPU
+compiler) on a CPU install; the measurement is in benchmarks/RESULTS.md ("Structured output: grammar engine").
 
 A :class:`GrammarConstraint` is per-request state (the matcher's position in the grammar): each request, and each
 of ``n`` choices, gets its own (:meth:`GrammarConstraint.fork`). :meth:`~laserlm.runtime.request.Request.sample`
