@@ -18,8 +18,10 @@ mkdir "$WORK/src"
 git -C "$ROOT" ls-files -z | (cd "$ROOT" && xargs -0 cp --parents -t "$WORK/src")
 "$PY" -m pip wheel -q --disable-pip-version-check --no-deps -w "$WORK/dist" "$WORK/src"
 WHEEL=$(ls "$WORK"/dist/laserlm-*.whl)
+# the name list is read whole (a `zipfile -l | grep -q` pipe fails under pipefail when grep exits early)
 for f in laserlm/models/kernels/quant.cpp laserlm/evaluation/prompts.jsonl; do
-  "$PY" -m zipfile -l "$WHEEL" | grep -q " *$f " || { say "the wheel lacks $f"; exit 1; }
+  "$PY" -c 'import sys, zipfile; sys.exit(sys.argv[2] not in zipfile.ZipFile(sys.argv[1]).namelist())' "$WHEEL" "$f" \
+    || { say "the wheel lacks $f"; exit 1; }
 done
 
 say "installing it into a clean virtualenv"
