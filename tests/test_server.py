@@ -489,7 +489,13 @@ def test_greedy_streams_do_not_depend_on_the_other_requests():
         srv.stop()
 
 
-def test_echo_logprobs_score_the_prompt_as_transformers_and_lm_eval_read_them(server, smol_ref):
+@pytest.mark.parametrize("context,continuation", [
+    ("Question: What is the capital of France?\nAnswer:", " Paris"),
+    # the one generated token is EOS: it must still be reported, or lm-eval's [ctxlen:-1] drops the last token of "Yes."
+    ("<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n", "Yes."),
+])
+def test_echo_logprobs_score_the_prompt_as_transformers_and_lm_eval_read_them(server, smol_ref, context,
+                                                                               continuation):
     """``echo`` + ``logprobs`` + ``max_tokens`` 0/1 (lm-evaluation-harness's ``local-completions`` log-likelihood
     request): the prompt's token log-probabilities equal the unmodified transformers model's log-softmax, and
     lm-eval's own parser reads the continuation's log-likelihood and greediness from the response."""
@@ -499,7 +505,6 @@ def test_echo_logprobs_score_the_prompt_as_transformers_and_lm_eval_read_them(se
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smol_ref.name_or_path)
-    context, continuation = "Question: What is the capital of France?\nAnswer:", " Paris"
     ctx_ids = tok(context)["input_ids"]
     ids = ctx_ids + tok(continuation, add_special_tokens=False)["input_ids"]
     with torch.no_grad():

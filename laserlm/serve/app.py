@@ -558,7 +558,7 @@ class Server:
         engine = self.state.lm.engine
         done: dict[tuple, object] = {}
         for c in choices:
-            seq = c.prompt_ids + c.det.ids
+            seq = c.prompt_ids + c.det.ids + self._eos(c)
             key = tuple(seq)
             if key not in done:
                 if self.state.drain_expired:
@@ -599,7 +599,7 @@ class Server:
         ``logprobs`` most likely tokens plus the chosen one, by text) and ``text_offset`` (characters into the
         returned text); with ``echo`` the prompt's tokens come first (the very first has no log-probability)."""
         lp = c.logprobs
-        gen = self._kept_ids(c)
+        gen = self._kept_ids(c) + self._eos(c)
         seq = c.prompt_ids + gen
         start = 0 if req.echo else len(c.prompt_ids)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -623,6 +623,14 @@ class Server:
             out["token_logprobs"].append(v)
             out["top_logprobs"].append(top)
         return out
+
+    @staticmethod
+    def _eos(c: Choice) -> list[int]:
+        """``[the EOS token]`` when it ended the choice, else ``[]``. Completions report it among the generated
+        tokens with its log-probability, as vLLM does: lm-eval's ``local-completions`` reads a continuation's
+        log-likelihood as ``token_logprobs[ctxlen:-1]`` of an ``echo`` + ``max_tokens: 1`` answer, which assumes one
+        generated token even when that token is EOS."""
+        return [c.det.last_event.token_id] if c.det.finish == "eos" and c.det.last_event is not None else []
 
     def _kept_ids(self, c: Choice) -> list[int]:
         """The generated ids whose text lies wholly inside the returned text (a stop string cuts the text inside a
