@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from laserlm.models.loader import reference_dir
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # LASERLM_TEST_THREADS=1 helps when other jobs share the CPU (2 threads collapse under oversubscription)
@@ -26,7 +27,7 @@ def smol_ref(smol):
     """An independent, unmodified transformers copy of smollm2-135m (float32, SDPA attention)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(smol.loaded.path, dtype=torch.float32,
+    return AutoModelForCausalLM.from_pretrained(reference_dir(smol.loaded), dtype=torch.float32,
                                                 attn_implementation="sdpa").eval()
 
 

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from laserlm.runtime import Engine
+from laserlm.models.loader import reference_dir
 
 REL_TOL = 1e-4
 DECODE_STEPS = 32
@@ -280,7 +281,7 @@ def test_gemma3_270m_parity():
     import laserlm
 
     lm = laserlm.load("gemma3-270m", dtype="float32")
-    ref = AutoModelForCausalLM.from_pretrained(lm.loaded.path, dtype=torch.float32,
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir(lm.loaded), dtype=torch.float32,
                                                attn_implementation="eager").eval()
     assert lm.engine.model is not ref
     tok = lm.tokenizer

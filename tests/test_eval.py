@@ -19,6 +19,7 @@ from laserlm.evaluation.scoring import Scorer, encode_pair
 from laserlm.evaluation.tasks import EvalSettings, Evaluator, text_windows
 from laserlm.modes import register_mode
 from laserlm.runtime.modes import FullDepth, ScoreOutput
+from laserlm.models.loader import reference_dir
 
 REAL = find_data_root() or Path("no-shared-data")  # the shared data directory, if configured
 TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ storey building , and the tallest "
@@ -501,5 +502,5 @@ def test_gemma3_loglikelihood_at_a_merging_join():
     (lp, _), = LaserLMHarness(lm).loglikelihood([FakeInstance("foo", "bar")])
     from transformers import AutoModelForCausalLM
 
-    ref = AutoModelForCausalLM.from_pretrained(lm.loaded.path, dtype=torch.float32, attn_implementation="eager").eval()
+    ref = AutoModelForCausalLM.from_pretrained(reference_dir(lm.loaded), dtype=torch.float32, attn_implementation="eager").eval()
     assert lp == pytest.approx(_ref_logprob(ref, want_ids, len(ctx)), abs=2e-3)

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from laserlm.evaluation.scoring import encode_pair
+from laserlm.models.loader import reference_dir
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -94,7 +95,7 @@ def test_gemma3_rendered_chat_prompt_one_bos_and_same_output():
     got = g.run().token_ids
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(lm.loaded.path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(reference_dir(lm.loaded), dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():  # an unmodified transformers copy, greedy on the one-BOS ids
         ref = model.generate(torch.tensor([want]), attention_mask=torch.ones(1, len(want), dtype=torch.long),
                                        max_new_tokens=8, do_sample=False)[0, len(want):].tolist()

@@ -192,8 +192,10 @@ class HFTarget:
     def __init__(self, lm, attn_implementation: str = "sdpa"):
         from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
+        from ..models.loader import reference_dir  # noqa: PLC0415
+
         self.name = f"transformers generate ({attn_implementation})"
-        self.model = AutoModelForCausalLM.from_pretrained(lm.loaded.path, dtype=lm.engine.dtype,
+        self.model = AutoModelForCausalLM.from_pretrained(reference_dir(lm.loaded), dtype=lm.engine.dtype,
                                                           attn_implementation=attn_implementation).eval()
         self.pad = lm.tokenizer.eos_token_id
         self.num_layers = lm.engine.num_layers

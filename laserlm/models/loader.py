@@ -1,9 +1,10 @@
 """Load a causal LM and its tokenizer from a bundled name, a GGUF file, a local directory or a hub id.
 
-GGUF files are dequantized to float by transformers (``from_pretrained(..., gguf_file=...)``), which
-takes 10-45 s, mostly tokenizer conversion. The first load therefore writes a converted copy
-(``config.json`` + ``model.safetensors`` + tokenizer files) under :func:`cache_root`, keyed by the
-GGUF file's path, size and modification time; later loads read that copy in a few seconds.
+A GGUF file's config and tokenizer are read by transformers once (10-45 s, mostly tokenizer conversion) and cached
+under :func:`cache_root`, keyed by the file's path, size and modification time. With ``--weights native`` (the
+default for GGUF files) the model is then built on the meta device and packed straight from the file
+(:mod:`laserlm.models.gguf_native`): no float copy. Float and re-quantized formats need transformers' dequantized
+float32 copy, written once beside the config (``model.safetensors``).
 """
 
 from __future__ import annotations
@@ -115,53 +116,76 @@ def converted_dir_for(gguf_path: Path) -> Path:
     return cache_root() / "converted" / f"{gguf_path.stem}-{_gguf_key(gguf_path)}"
 
 
-def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
-    """Dequantize a GGUF file once and cache it as config + safetensors + tokenizer.
+def convert_gguf(gguf_path: str | Path, progress: bool = True, float_copy: bool = True) -> Path:
+    """Cache a GGUF file's config and tokenizer (once), and with ``float_copy`` its dequantized weights.
 
-    Returns the directory of the converted copy. Raises :class:`ModelNotFoundError` if the file does
-    not exist, :class:`CorruptModelError` if it cannot be parsed, :class:`UnsupportedArchitectureError`
-    if transformers cannot read its architecture.
+    The directory (:func:`converted_dir_for`) holds ``config.json``, the tokenizer files and ``laserlm_source.json``;
+    ``model.safetensors``, the float32 copy transformers makes of the file, is written only when ``float_copy`` is
+    true: for ``--weights fp32/bf16/int8/int4``, a LoRA delta, or a reference model in tests. ``--weights native``
+    never needs it (:mod:`laserlm.models.gguf_native`), so a model larger than the machine's memory can still run.
+
+    Returns the directory. Raises :class:`ModelNotFoundError` if the file does not exist, :class:`CorruptModelError`
+    if it cannot be parsed, :class:`UnsupportedArchitectureError` if transformers cannot read its architecture,
+    :class:`InvalidArgumentError` if the float copy would not fit the machine's memory.
     """
-    from safetensors.torch import save_model  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
-
     gguf_path = Path(gguf_path)
     _check_gguf_file(gguf_path)
     out = converted_dir_for(gguf_path)
-    if (out / "laserlm_source.json").is_file():
-        return out
+    if not (out / "laserlm_source.json").is_file():
+        from .gguf_file import GGUFTensors  # noqa: PLC0415
+
+        GGUFTensors(gguf_path)  # a damaged header or a truncated file fails here, fast and before any message
+        _write_metadata(gguf_path, out, progress)
+    if float_copy and not (out / "model.safetensors").is_file():
+        _write_float_copy(gguf_path, out, progress)
+    return out
+
+
+def _gguf_errors(gguf_path: Path):
+    """A context that turns transformers' and gguf's errors on a GGUF file into laserlm's."""
+    import contextlib  # noqa: PLC0415
+
+    @contextlib.contextmanager
+    def ctx():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
+        except ValueError as exc:
+            msg = str(exc)
+            if "not supported" in msg or "architecture" in msg.lower():
+                raise UnsupportedArchitectureError(
+                    f"{gguf_path.name}: {msg.splitlines()[0]}; supported families: "
+                    f"{', '.join(SUPPORTED_MODEL_TYPES.values())}"
+                ) from exc
+            raise CorruptModelError(f"cannot read GGUF file {gguf_path}: {msg.splitlines()[0]}") from exc
+        except (InvalidArgumentError, UnsupportedArchitectureError, CorruptModelError):
+            raise
+        except Exception as exc:  # gguf's reader raises assorted errors on damaged files
+            raise CorruptModelError(f"cannot read GGUF file {gguf_path}: {type(exc).__name__}: {exc}") from exc
+
+    return ctx()
+
+
+def _write_metadata(gguf_path: Path, out: Path, progress: bool) -> None:
+    """Config, generation config and tokenizer of a GGUF file into ``out`` (atomically: a temporary directory
+    renamed), read from its metadata by transformers; no tensor is read."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # noqa: PLC0415
+
     if progress:
-        print(f"laserlm: converting {gguf_path.name} to a cached float copy (once) ...", file=sys.stderr)
+        print(f"laserlm: reading {gguf_path.name}'s config and tokenizer (once) ...", file=sys.stderr)
     t0 = time.perf_counter()
     _quiet_transformers()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-            model = AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-            )
-    except ValueError as exc:
-        msg = str(exc)
-        if "not supported" in msg or "architecture" in msg.lower():
-            raise UnsupportedArchitectureError(
-                f"{gguf_path.name}: {msg.splitlines()[0]}; supported families: "
-                f"{', '.join(SUPPORTED_MODEL_TYPES.values())}"
-            ) from exc
-        raise CorruptModelError(f"cannot read GGUF file {gguf_path}: {msg.splitlines()[0]}") from exc
-    except Exception as exc:  # gguf's reader raises assorted errors on damaged files
-        raise CorruptModelError(f"cannot read GGUF file {gguf_path}: {type(exc).__name__}: {exc}") from exc
-
+    with _gguf_errors(gguf_path):
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config = model.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     config.save_pretrained(tmp)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     source = {
         "gguf": str(gguf_path.resolve()),
@@ -174,7 +198,26 @@ def convert_gguf(gguf_path: str | Path, progress: bool = True) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     else:
         tmp.rename(out)
-    return out
+
+
+def _write_float_copy(gguf_path: Path, out: Path, progress: bool) -> None:
+    """``out/model.safetensors``: the float32 model transformers dequantizes from the file (written to a temporary
+    name, then renamed). Refused before loading when float32 weights would not fit the machine's memory."""
+    from safetensors.torch import save_model  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from .gguf_native import check_fits_memory, float_size_estimate  # noqa: PLC0415
+
+    check_fits_memory(float_size_estimate(gguf_path), f"float32 weights of {gguf_path.name}",
+                      "open it with --weights native (the file's own quantization, no float copy)")
+    if progress:
+        print(f"laserlm: converting {gguf_path.name} to a cached float copy (once) ...", file=sys.stderr)
+    _quiet_transformers()
+    with _gguf_errors(gguf_path):
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    tmp = out / f"model.safetensors.tmp-{os.getpid()}"
+    save_model(model, str(tmp))
+    tmp.replace(out / "model.safetensors")
 
 
 def _check_architecture(model_dir: Path, label: str) -> str:
@@ -195,15 +238,16 @@ def _check_architecture(model_dir: Path, label: str) -> str:
     return model_type
 
 
-def resolve(name: str, progress: bool = True) -> Path | str:
-    """Map a user's model name to a loadable directory (or a hub id string)."""
+def resolve(name: str, progress: bool = True, float_copy: bool = True) -> Path | str:
+    """Map a user's model name to a loadable directory (or a hub id string); for a GGUF file, its converted
+    directory, with the float copy only when ``float_copy`` (:func:`convert_gguf`)."""
     if name in BUNDLED:
-        return convert_gguf(BUNDLED[name].locate(), progress=progress)
+        return convert_gguf(BUNDLED[name].locate(), progress=progress, float_copy=float_copy)
     p = Path(name).expanduser()
     if name.endswith(".gguf"):
         if not p.exists():
             raise ModelNotFoundError(f"GGUF file not found: {name} (bundled models: {known_models_text()})")
-        return convert_gguf(p, progress=progress)
+        return convert_gguf(p, progress=progress, float_copy=float_copy)
     if p.is_dir():
         return p
     if p.is_file():
@@ -257,6 +301,16 @@ def chat_template_available(name: str) -> bool | None:
     return bool(config.get("chat_template")) if isinstance(config, dict) else None
 
 
+def reference_dir(loaded: "LoadedModel") -> Path:
+    """The directory transformers loads ``loaded``'s float model from (the unmodified reference: ``laserlm bench``'s
+    transformers arm, tests): for a GGUF file its converted directory, with the float copy written now if the native
+    path never needed it (:func:`convert_gguf`)."""
+    src = gguf_source_of(loaded.path)
+    if src is not None:
+        convert_gguf(src, progress=False, float_copy=True)
+    return loaded.path
+
+
 def gguf_source_of(where) -> Path | None:
     """The GGUF file a converted copy was made from (``None`` for other model directories)."""
     if not isinstance(where, Path):
@@ -300,25 +354,34 @@ def _cache_file_for(where, name: str) -> Path | None:
 WEIGHTS_HASH_FILE = "weights-sha256-v1.txt"
 
 
+def _stored_hash(where, compute):
+    """A callable giving the weights' SHA-256 (:mod:`laserlm.models.weights_hash`): the digest stored beside the
+    cached weights when there is one, else ``compute()``, then stored (a read-only cache is skipped)."""
+    def digest() -> str:
+        path = _cache_file_for(where, WEIGHTS_HASH_FILE)
+        if path is not None and path.is_file():
+            stored = path.read_text().strip()
+            if len(stored) == 64 and all(c in "0123456789abcdef" for c in stored):
+                return stored
+        value = compute()
+        if path is not None:
+            try:
+                tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+                tmp.write_text(value + "\n")
+                tmp.replace(path)
+            except OSError:  # a read-only cache: the digest is recomputed next time
+                pass
+        return value
+
+    return digest
+
+
 def _record_stored_weights_hash(model, where) -> None:
     """Before packing: attach the float weights' SHA-256 (:mod:`laserlm.models.weights_hash`) to ``model``, read
     from the digest stored beside the cached weights or computed now (~0.4 s for 135M parameters) and stored."""
     from .weights_hash import compute_weights_sha256, record_weights_sha256  # noqa: PLC0415
 
-    path = _cache_file_for(where, WEIGHTS_HASH_FILE)
-    if path is not None and path.is_file():
-        digest = path.read_text().strip()
-        if len(digest) == 64 and all(c in "0123456789abcdef" for c in digest):
-            record_weights_sha256(model, digest)
-            return
-    digest = record_weights_sha256(model, compute_weights_sha256(model))
-    if path is not None:
-        try:
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            tmp.write_text(digest + "\n")
-            tmp.replace(path)
-        except OSError:  # a read-only cache: the digest is recomputed next time
-            pass
+    record_weights_sha256(model, _stored_hash(where, lambda: compute_weights_sha256(model))())
 
 
 def resolve_weights(weights: str | None, dtype, from_gguf: bool) -> tuple[str, torch.dtype]:
@@ -397,10 +460,13 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
     if dtype is not None:
         check_offered_dtype(dtype)  # float16 is refused with the CLI's message (laserlm.models.dtypes)
         parse_dtype(dtype)
-    where = resolve(name, progress=progress)
+    where = resolve(name, progress=progress, float_copy=False)
     gguf_src = gguf_source_of(where)
     asked_weights = weights
     weights, torch_dtype = resolve_weights(weights, dtype, gguf_src is not None)
+    native_direct = gguf_src is not None and weights == "native" and lora is None  # no float copy needed
+    if gguf_src is not None and not native_direct:
+        convert_gguf(gguf_src, progress=progress, float_copy=True)
     if weights not in QUANTIZED_FORMATS:
         if prefill_dtype not in (None, "auto") and gemm_dtype is not torch.float32:  # an explicit non-fp32 choice
             chosen = "" if asked_weights == weights else f" (chosen by --weights auto with --dtype {dtype})"
@@ -418,7 +484,12 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             load_dtype = torch.float32 if weights in QUANTIZED_FORMATS else torch_dtype
-            model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype, attn_implementation="sdpa")
+            if native_direct:
+                from transformers import AutoConfig  # noqa: PLC0415
+
+                model = AutoConfig.from_pretrained(where)  # the config; the model is built after the checks below
+            else:
+                model = AutoModelForCausalLM.from_pretrained(where, dtype=load_dtype, attn_implementation="sdpa")
             tokenizer = AutoTokenizer.from_pretrained(where)
     except OSError as exc:
         if isinstance(where, str):
@@ -429,12 +500,18 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
         raise CorruptModelError(f"cannot load model from {where}: {str(exc).splitlines()[0]}") from exc
     except Exception as exc:  # safetensors / torch errors on damaged weight files
         raise CorruptModelError(f"cannot load model from {where}: {type(exc).__name__}: {exc}") from exc
-    model_type = model_type or model.config.model_type
+    model_type = model_type or (model.model_type if native_direct else model.config.model_type)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedArchitectureError(
             f"{name}: architecture '{model_type}' is not supported; supported families: "
             f"{', '.join(SUPPORTED_MODEL_TYPES.values())}"
         )
+    report = None
+    if native_direct:
+        from .gguf_native import load_native  # noqa: PLC0415
+
+        model, report = load_native(model, gguf_src, packed_cache_path(where, weights),
+                                    stored_hash=lambda compute: _stored_hash(where, compute))
     model.eval()
     model.requires_grad_(False)
     warn_on_round_trip_failure(tokenizer, name, where)  # encode -> decode probe (laserlm.models.tokenizer_probe)
@@ -452,14 +529,14 @@ def load_model(name: str, dtype: str | torch.dtype | None = None, progress: bool
 
         _record_stored_weights_hash(model, where)  # the base's identity, before the merge changes the weights
         merged = merge_delta(model, lora, identity)
-    report = None
-    if weights in QUANTIZED_FORMATS:
+    if weights in QUANTIZED_FORMATS and not native_direct:
         from .packing import pack_model  # noqa: PLC0415
 
         _record_stored_weights_hash(model, where)
         report = pack_model(model, weights, gguf_path=gguf_src,
                             cache_path=packed_cache_path(where, weights) if merged is None else None,
                             requantize=set(merged["merged"]) if merged is not None else None)
+    if weights in QUANTIZED_FORMATS:
         for m in model.modules():
             if isinstance(m, QuantLinear):
                 m.prefill_dtype = gemm_dtype

@@ -33,7 +33,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, UnsupportedArchitectureError
 from . import quant
 from .quant import DenseLinear, QuantEmbedding, QuantLinear, RowSlice
-from .weights_hash import weights_sha256
+from .weights_hash import has_weights_sha256, weights_sha256
 
 ATTN = ("q_proj", "k_proj", "v_proj")
 MLP = ("gate_proj", "up_proj")
@@ -139,15 +139,15 @@ def _reverse_permute_rows(n_rows: int, n_head: int) -> np.ndarray:
 
 
 class _GGUFSource:
-    """Tensors of a GGUF file by name, converted for ``native`` (memory-mapped by ``gguf.GGUFReader``)."""
+    """Tensors of a GGUF file by name, converted for ``native`` (memory-mapped; ``path`` may be an open
+    :class:`~laserlm.models.gguf_file.GGUFTensors`)."""
 
     def __init__(self, path, config):
-        from gguf import GGUFReader  # noqa: PLC0415
+        from .gguf_file import GGUFTensors  # noqa: PLC0415
 
-        self.reader = GGUFReader(str(path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        arch_field = self.reader.fields.get("general.architecture")
-        self.arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else ""
+        self.reader = path if isinstance(path, GGUFTensors) else GGUFTensors(path)
+        self.tensors = self.reader.by_name
+        self.arch = self.reader.arch
         self.config = config
 
     def has(self, name: str) -> bool:
@@ -171,7 +171,8 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None, 
     """Replace the decoder layers' projections, the LM head and the embedding of ``model`` in place.
 
     Args:
-        model: a transformers causal LM of a supported family (float weights loaded).
+        model: a transformers causal LM of a supported family: float weights loaded, or (``native``) its projections,
+            embedding and head still on ``meta`` (:mod:`laserlm.models.gguf_native`).
         weights: ``"native"`` (needs ``gguf_path``), ``"int4"`` or ``"int8"``.
         gguf_path: the GGUF file the model was converted from.
         cache_path: a ``.safetensors`` file of packed weights: read when it exists (no GGUF parsing, no
@@ -183,7 +184,7 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None, 
     Returns:
         a :class:`PackReport` (``report.cached`` tells whether the cache was used). Before any matrix is replaced,
         the float weights' identity is recorded on ``model`` (:func:`laserlm.models.weights_hash.weights_sha256`,
-        unless the loader recorded it already), so laser files made on the float model load on the packed one.
+        unless the loader recorded or deferred it), so laser files made on the float model load on the packed one.
 
     Raises:
         InvalidArgumentError: ``native`` without a GGUF source, or an unknown format.
@@ -194,7 +195,8 @@ def pack_model(model: nn.Module, weights: str, gguf_path=None, cache_path=None, 
     if weights == "native" and gguf_path is None:
         raise InvalidArgumentError("--weights native keeps a GGUF file's own quantization, but this model was not "
                                    "loaded from a GGUF file; use --weights int4, int8, bf16 or fp32")
-    weights_sha256(model)  # the float checkpoint's identity, recorded before packing replaces it
+    if not has_weights_sha256(model):
+        weights_sha256(model)  # the float checkpoint's identity, recorded before packing replaces it
     mods = None
     if cache_path is not None and Path(cache_path).is_file():
         try:
@@ -279,7 +281,7 @@ def _install(model, mods: dict) -> None:
 def _convert_embedding_and_head(model, fmt, src, report):
     emb = model.model.embed_tokens
     head = model.lm_head
-    tied = head.weight is emb.weight or head.weight.data_ptr() == emb.weight.data_ptr()
+    tied = head.weight is emb.weight or (not head.weight.is_meta and head.weight.data_ptr() == emb.weight.data_ptr())
     d = emb.weight.shape[1]
     scale = getattr(emb, "embed_scale", None)
     scale = float(scale) if scale is not None else None

@@ -451,6 +451,10 @@ def _q5_0_to_q8_0(raw: np.ndarray, n: int, k: int) -> np.ndarray:
     return out.reshape(n, k // QK * 34)
 
 
+CONVERT_WEIGHTS = 1 << 20  # weights per chunk of a GGUF matrix's conversion at most (4 MiB as float32) ...
+CONVERT_ROWS = 128  # ... and rows: never a whole matrix as float (every projection of a real model has more rows)
+
+
 def from_gguf(raw: np.ndarray, ggml_type: int, n: int, k: int) -> tuple[str, torch.Tensor, int | None, str]:
     """Convert one GGUF matrix ``[N, K]`` for ``--weights native``.
 
@@ -475,18 +479,25 @@ def from_gguf(raw: np.ndarray, ggml_type: int, n: int, k: int) -> tuple[str, tor
         return "float", w, None, "exact"
     if k % QK:
         raise UnsupportedArchitectureError(f"GGUF tensor of type {t.name} with rows of {k} (not a multiple of 32)")
+    rows = np.asarray(raw).reshape(n, -1)
+    step = max(1, min(CONVERT_ROWS, CONVERT_WEIGHTS // k))  # rows converted at a time: a chunk's intermediates only
+
+    def by_rows(convert) -> torch.Tensor:
+        return torch.cat([convert(rows[r:r + step]) for r in range(0, n, step)])
+
     if t in (T.Q4_0, T.Q4_1, T.Q8_0):
-        blocks, fmt = to_soa(torch.from_numpy(np.array(raw, copy=True).reshape(n, -1)), int(t))
-        return "blocks", blocks, fmt, "exact" if t != T.Q4_0 else "exact (Q4_0 as Q4_1, m = -8 d)"
+        blocks = by_rows(lambda c: to_soa(torch.from_numpy(np.array(c, copy=True)), int(t))[0])
+        return "blocks", blocks, (Q4_1 if t == T.Q4_0 else int(t)), "exact" if t != T.Q4_0 else "exact (Q4_0 as Q4_1, m = -8 d)"
     if t == T.Q5_0:
-        blocks, _ = to_soa(torch.from_numpy(_q5_0_to_q8_0(np.ascontiguousarray(raw), n, k)), Q8_0)
+        blocks = by_rows(lambda c: to_soa(torch.from_numpy(_q5_0_to_q8_0(np.ascontiguousarray(c), len(c), k)), Q8_0)[0])
         return "blocks", blocks, Q8_0, "exact (Q5_0 as Q8_0)"
     if t == T.Q4_K:
-        blocks, _ = to_soa(torch.from_numpy(_q4_k_to_q4_1(np.ascontiguousarray(raw), n, k)), Q4_1)
+        blocks = by_rows(lambda c: to_soa(torch.from_numpy(_q4_k_to_q4_1(np.ascontiguousarray(c), len(c), k)), Q4_1)[0])
         return "blocks", blocks, Q4_1, "Q4_K sub-blocks as Q4_1 (scales rounded to fp16)"
     if t in (T.Q5_1, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.Q8_1):
-        w = torch.from_numpy(np.asarray(gguf_dequantize(raw, t), dtype=np.float32).reshape(n, k).copy())
-        return "blocks", quantize_q8_0(w), Q8_0, f"{t.name} re-quantized to Q8_0"
+        blocks = by_rows(lambda c: quantize_q8_0(torch.from_numpy(
+            np.asarray(gguf_dequantize(c, t), dtype=np.float32).reshape(len(c), k))))
+        return "blocks", blocks, Q8_0, f"{t.name} re-quantized to Q8_0"
     raise UnsupportedArchitectureError(
         f"GGUF tensor type {t.name} has no laserlm kernel; load it with --weights fp32 or --weights bf16 "
         f"(dequantized by transformers), or int8/int4 to re-quantize from the dequantized copy")

@@ -20,6 +20,7 @@ import hashlib
 import torch
 
 ATTRIBUTE = "laserlm_weights_sha256"
+DEFERRED = "laserlm_weights_sha256_fn"  # a callable giving the digest, for models loaded without float weights
 
 
 def compute_weights_sha256(model: torch.nn.Module) -> str:
@@ -48,8 +49,20 @@ def weights_sha256(model: torch.nn.Module) -> str:
     """The recorded digest of ``model`` (taken before packing), else computed now and recorded (hex, 64 chars)."""
     recorded = model.__dict__.get(ATTRIBUTE)
     if recorded is None:
-        recorded = record_weights_sha256(model, compute_weights_sha256(model))
+        deferred = model.__dict__.pop(DEFERRED, None)
+        recorded = record_weights_sha256(model, deferred() if deferred is not None else compute_weights_sha256(model))
     return recorded
+
+
+def defer_weights_sha256(model: torch.nn.Module, compute) -> None:
+    """Let ``compute()`` give ``model``'s digest when something first asks for it (a model whose float weights were
+    never made: :mod:`laserlm.models.gguf_native`)."""
+    model.__dict__[DEFERRED] = compute
+
+
+def has_weights_sha256(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s digest is recorded or deferred (then packing need not hash its float weights)."""
+    return ATTRIBUTE in model.__dict__ or DEFERRED in model.__dict__
 
 
 def record_weights_sha256(model: torch.nn.Module, digest: str) -> str:

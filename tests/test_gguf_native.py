@@ -1,0 +1,172 @@
+"""Opening a GGUF file with native weights without a float copy (laserlm.models.gguf_native).
+
+The files are the bundled GGUFs cut to their first two layers (the real vocabularies, tokenizers, tensor types and
+rope settings), written with gguf-py's own writer. References: the old path (transformers' dequantized float model,
+then packed), transformers' float model for the weights hash, and gguf-py's reader for the tensor table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from laserlm.errors import CorruptModelError, InvalidArgumentError
+from laserlm.models import gguf_file, gguf_native
+from laserlm.models.registry import BUNDLED
+
+LAYERS = 2
+
+
+def cut_gguf(src, dst, layers: int = LAYERS):
+    """``src`` with only blocks ``0..layers-1`` (and ``<arch>.block_count = layers``), every other field and tensor
+    copied as stored."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = GGUFWriter(str(dst), arch=arch)
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = f.types[0]
+        value = layers if name == f"{arch}.block_count" else f.contents()
+        sub = f.types[-1] if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(name, value, vtype, sub_type=sub)
+    for t in r.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
+            continue
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape,
+                     raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
+def cut(request, tmp_path_factory):
+    try:
+        src = BUNDLED[request.param].locate()
+    except Exception as exc:  # noqa: BLE001 - gemma3 is an optional extra
+        pytest.skip(f"{request.param} not installed: {exc}")
+    d = tmp_path_factory.mktemp(request.param)
+    return cut_gguf(src, d / f"{request.param}-2l.gguf")
+
+
+@pytest.fixture(scope="module")
+def cache(cut):
+    """A cache of the cut file's own (its tokenizer conversion is the slow part: made once per file)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LASERLM_CACHE", str(cut.parent / "cache"))
+        yield cut.parent / "cache"
+
+
+def test_tensor_table_equals_gguf_reader(cut):
+    from gguf import GGUFReader
+
+    ours, ref = gguf_file.GGUFTensors(cut), GGUFReader(str(cut))
+    assert ours.arch == ref.fields["general.architecture"].contents()
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape) and a.n_bytes == b.n_bytes
+        assert a.data.shape == b.data.shape and np.array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+def test_damaged_tensor_table_is_a_clear_error(cut, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(cut.read_bytes()[: cut.stat().st_size // 3])  # tensors run past the end
+    with pytest.raises(CorruptModelError, match="past the end|damaged"):
+        gguf_file.GGUFTensors(bad)
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(CorruptModelError):
+        gguf_file.GGUFTensors(bad)
+
+
+def test_native_load_makes_no_float_copy_of_a_packed_matrix(cut, cache, monkeypatch):
+    """Structural: no float tensor torch makes during the load, and no array gguf-py dequantizes, has a packed
+    matrix's shape or more than one conversion chunk's weights; the parameters stay on meta until packed; no float
+    copy is written."""
+    from gguf import quants
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from laserlm.models.loader import load_model
+
+    table = gguf_file.GGUFTensors(cut)
+    packed = {(int(t.shape[1]), int(t.shape[0])) for t in table.tensors if len(t.shape) == 2}
+    forbidden = packed | {(k, n) for n, k in packed}
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for o in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(o, torch.Tensor) and o.is_floating_point() and not o.is_meta:
+                    seen.append(("torch", func.__name__, tuple(o.shape)))
+            return out
+
+    real = quants.dequantize
+
+    def dequantize(data, qtype):
+        out = real(data, qtype)
+        seen.append(("gguf", "dequantize", tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(quants, "dequantize", dequantize)
+    materialized = []
+    from laserlm.models import packing  # load_native imports pack_model at call time: patch it there
+
+    real_pack = packing.pack_model
+
+    def pack(model, *a, **k):
+        materialized.extend(n for n, p in model.named_parameters() if gguf_native._is_packed(n) and not p.is_meta)
+        return real_pack(model, *a, **k)
+
+    monkeypatch.setattr(packing, "pack_model", pack)
+    from laserlm.models.loader import convert_gguf
+
+    for f in list(cache.rglob("packed-*")) + list(cache.rglob("model.safetensors")):
+        f.unlink()  # pack from the file, not from a cache another test wrote
+    convert_gguf(cut, progress=False, float_copy=False)  # config + tokenizer from the metadata (no tensor is read)
+    with Record():
+        lm = load_model(str(cut), weights="native")
+    assert materialized == [], f"packed matrices were materialized before packing: {materialized[:3]}"
+    from laserlm.models.quant import CONVERT_WEIGHTS
+
+    bad = [s for s in seen if s[2] in forbidden or (len(s[2]) == 2 and s[2][0] * s[2][1] > CONVERT_WEIGHTS)]
+    assert not bad, f"float tensors of a packed matrix's size were made: {bad[:5]}"
+    assert not (lm.path / "model.safetensors").exists()
+    assert not [n for n, p in lm.model.named_parameters() if p.is_meta]
+
+
+def test_native_load_equals_the_float_path_and_hashes_alike(cut, cache):
+    """Logits equal the old path (transformers' float copy, then packed from the same file) bit for bit, and the
+    streaming weights hash equals the float model's."""
+    from laserlm.models.loader import gguf_source_of, load_model
+    from laserlm.models.packing import pack_model
+    from laserlm.models.weights_hash import compute_weights_sha256, weights_sha256
+
+    lm = load_model(str(cut), weights="native")
+    ref = load_model(str(cut), weights="fp32")
+    assert weights_sha256(lm.model) == compute_weights_sha256(ref.model)
+    pack_model(ref.model, "native", gguf_path=gguf_source_of(ref.path))
+    ids = torch.tensor([lm.tokenizer("The capital of France is a city with")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(lm.model(ids).logits, ref.model(ids).logits)
+    again = load_model(str(cut), weights="native")  # from the packed cache
+    with torch.no_grad():
+        assert torch.equal(again.model(ids).logits, ref.model(ids).logits)
+
+
+def test_too_large_for_memory_is_refused_before_allocation(cut, cache, monkeypatch):
+    from laserlm.models.loader import load_model
+
+    monkeypatch.setattr(gguf_native, "memory_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(gguf_native, "build_meta_model", lambda *a, **k: pytest.fail("allocated before refusing"))
+    with pytest.raises(InvalidArgumentError, match="GiB, but this machine has 0.0 GiB"):
+        load_model(str(cut), weights="native")
+    for f in cache.rglob("model.safetensors"):
+        f.unlink()  # a float copy another test made
+    with pytest.raises(InvalidArgumentError, match="--weights native"):
+        load_model(str(cut), weights="fp32")
