@@ -47,7 +47,7 @@ def run_lm_eval(model: str, model_args: str, tasks: Path, out: Path, threads: in
            else [sys.executable, "-m", "lm_eval"])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd + ["--model", model, "--model_args", model_args, "--tasks", "arc_easy_local",
-                                 "--include_path", str(tasks), "--output_path", str(out)],
+                                 "--include_path", str(tasks), "--output_path", str(out)] + (["--log_samples"] if os.environ.get("LOG_SAMPLES") else []),
                           env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
@@ -68,7 +68,7 @@ def main() -> None:
     import laserlm
     path = laserlm.load("smollm2-135m").loaded.path  # the tokenizer directory lm-eval's client reads
     with tempfile.TemporaryDirectory() as t:
-        tmp = Path(t)
+        tmp = Path(os.environ.get("KEEP_DIR") or t)
         tasks = task_dir(args.data, args.limit, tmp)
         t0 = time.perf_counter()
         srv = ServerProcess(["--model", "smollm2-135m", "--threads", str(args.threads), "--ctx-size", "1024"])
