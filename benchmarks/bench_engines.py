@@ -1,5 +1,8 @@
 """pp512 / tg128 of laserlm beside llama.cpp's and ik_llama.cpp's llama-bench on the same GGUF files, alternated.
 
+Models are bundled names or .gguf paths. Each engine's process runs under GNU time for its peak RSS (the whole
+llama-bench / `laserlm bench` process: load, pp512 and tg128).
+
 Every round runs each engine once per (model, threads), in turn, so that a slow stretch of the shared machine hits
 all of them alike; the table gives the median over rounds and laserlm's ratio to each other engine. Build the other
 engines as DESIGN.md / issue 32 describe and pass their llama-bench binaries; a missing binary skips that engine.
@@ -27,15 +30,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def gguf_path(model: str) -> str:
+    """A bundled model's GGUF file, or ``model`` itself when it is a .gguf path (benchmarks/synthetic_models.py)."""
+    if model.endswith(".gguf"):
+        return model
     from laserlm.models.registry import BUNDLED
 
     return str(BUNDLED[model].locate())
 
 
+def timed(cmd: list[str], env=None) -> tuple[str, float, float]:
+    """Run ``cmd`` under GNU time: (stdout, peak RSS in GiB, wall seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M", *cmd], capture_output=True, text=True,
+                          timeout=3600, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
+    kb = int(proc.stderr.rsplit("maxrss_kb=", 1)[1].split()[0])
+    return proc.stdout, kb / 2**20, wall
+
+
 def run_llama_bench(binary: str, gguf: str, threads: int, reps: int, extra: list[str]) -> dict:
     cmd = [binary, "-m", gguf, "-t", str(threads), "-p", "512", "-n", "128", "-r", str(reps), "-o", "json", *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
-    res = {}
+    out, rss, wall = timed(cmd)
+    res = {"rss_gib": rss, "wall_s": wall}
     for row in json.loads(out):
         key = "pp512" if row["n_prompt"] else "tg128"
         res[key] = row["avg_ts"]
@@ -49,9 +67,9 @@ def run_laserlm(model: str, threads: int, reps: int, pythonpath: str | None) -> 
             env["PYTHONPATH"] = pythonpath
         cmd = [sys.executable, "-m", "laserlm.cli", "bench", "--model", model, "--no-hf", "--no-llamacpp",
                "-t", str(threads), "-r", str(reps), "--tests", "pp,tg", "--json", f.name, "--no-progress"]
-        subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True, env=env)
+        _, rss, wall = timed(cmd, env=env)
         row = json.load(open(f.name))["rows"][0]
-    return {"pp512": row["pp512"], "tg128": row["tg128"]}
+    return {"pp512": row["pp512"], "tg128": row["tg128"], "rss_gib": rss, "wall_s": wall}
 
 
 def main() -> None:
@@ -84,19 +102,19 @@ def main() -> None:
                     print(f"round {r + 1}: {m} t={t} {name}: pp512 {res['pp512']:.1f} tg128 {res['tg128']:.1f}",
                           file=sys.stderr, flush=True)
     table = []
-    print("| model | threads | engine | pp512 t/s | tg128 t/s | laserlm pp / this | laserlm tg / this |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| model | threads | engine | pp512 t/s | tg128 t/s | laserlm pp / this | laserlm tg / this | peak RSS GiB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
     for m in models:
         for t in threads:
-            med = {name: {k: statistics.median(x[k] for x in runs) for k in ("pp512", "tg128")}
+            med = {name: {k: statistics.median(x[k] for x in runs) for k in ("pp512", "tg128", "rss_gib")}
                    for name, runs in raw[m][str(t)].items()}
             ours = med["laserlm"]
             for name, v in med.items():
                 row = {"model": m, "threads": t, "engine": name, **v,
                        "pp_ratio": ours["pp512"] / v["pp512"], "tg_ratio": ours["tg128"] / v["tg128"]}
                 table.append(row)
-                print(f"| {m} | {t} | {name} | {v['pp512']:.1f} | {v['tg128']:.1f} | {row['pp_ratio']:.2f}x | "
-                      f"{row['tg_ratio']:.2f}x |")
+                print(f"| {Path(m).name} | {t} | {name} | {v['pp512']:.1f} | {v['tg128']:.1f} | {row['pp_ratio']:.2f}x | "
+                      f"{row['tg_ratio']:.2f}x | {v['rss_gib']:.2f} |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         json.dump({"argv": sys.argv, "rounds": a.rounds, "reps": a.reps, "started": time.ctime(t_start),
