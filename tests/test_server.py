@@ -125,7 +125,7 @@ def _error(status: int, body, expect_status: int, code=None, param=None):
 
 @pytest.mark.parametrize("patch,param", [
     ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": "ten"}, "max_tokens"), ({"n": 17}, "n"), ({"n": 0}, "n"), ({"top_k": -5}, "top_k"), ({"seed": -1}, "seed"),
+    ({"max_tokens": "ten"}, "max_tokens"), ({"n": 17}, "n"), ({"n": 0}, "n"), ({"top_k": -5}, "top_k"), ({"top_k": 2**63}, "top_k"), ({"seed": -1}, "seed"),
     ({"stop": [""]}, "stop"), ({"prompt": ""}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"logprobs": 21}, "logprobs"), ({"echo": "yes"}, "echo"),
     ({"stream": "yes"}, "stream"), ({"model": None}, "model"), ({"prompt": [10**9]}, None),
     ({"seed": 2**64}, "seed"), ({"max_tokens": 4.5}, "max_tokens"), ({"prompt": ["a", 1]}, "prompt"),

@@ -262,6 +262,32 @@ def text_chars(prompt) -> int:
     return 0
 
 
+def text_lengths(tokenizer, ids: list[int], skip_special_tokens: bool = False, window: int = 4) -> list[int]:
+    """``len(tokenizer.decode(ids[:i]).rstrip("\ufffd"))`` for ``i = 0 .. len(ids)``: where each token's text starts
+    in the decoded text (a token inside a character: that character's start), for ``text_offset``.
+
+    Decoding every prefix costs O(n²) (a 3,700-token echo took seconds); this decodes each token with ``window``
+    tokens of context before the last point where the text was complete, as incremental detokenizers do (vLLM's
+    ``detokenize_incrementally``), so the cost is linear and the lengths are those of the whole-prefix decode
+    (context covers tokenizers that strip a leading space at the start of a decode).
+    """
+    def dec(part: list[int]) -> str:
+        return tokenizer.decode(part, skip_special_tokens=skip_special_tokens)
+
+    out = [0]
+    k, k_len = 0, 0  # decode(ids[:k]) is complete (no trailing U+FFFD) and has k_len characters
+    p, head = 0, 0  # context start and len(decode(ids[p:k]))
+    for i in range(1, len(ids) + 1):
+        text = dec(ids[p:i])
+        stripped = text.rstrip("\ufffd")
+        out.append(max(k_len, k_len + len(stripped) - head))
+        if len(stripped) == len(text):
+            k, k_len = i, k_len + len(text) - head
+            p = max(0, k - window)
+            head = len(dec(ids[p:k]))
+    return out
+
+
 def _map_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
@@ -531,7 +557,7 @@ class Server:
                 await self.score(req, choices, request)
             except ClientGone:
                 return Response(status_code=499)
-            return JSONResponse(self.body(req, rid, created, choices))
+            return JSONResponse(await self.build_body(req, rid, created, choices))
         choices, out = await self.submit(mode, ids, params, req.n)
         if req.stream:
             return StreamingResponse(self.sse(req, rid, created, choices, out, request),
@@ -543,7 +569,7 @@ class Server:
             await self.score(req, choices, request)
         except ClientGone:
             return Response(status_code=499)
-        return JSONResponse(self.body(req, rid, created, choices))
+        return JSONResponse(await self.build_body(req, rid, created, choices))
 
     # -- log-probabilities ----------------------------------------------------------------------------------
     async def score(self, req: ParsedRequest, choices: list[Choice], request: Request | None = None) -> None:
@@ -604,15 +630,14 @@ class Server:
         start = 0 if req.echo else len(c.prompt_ids)
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         base = len(self.prompt_text(req, c)) if req.echo else 0
+        # where each token's text starts in the returned text (a token inside a character: that character's start)
+        prompt_at = text_lengths(self.tokenizer, c.prompt_ids) if req.echo else []
+        gen_at = text_lengths(self.tokenizer, gen, skip_special_tokens=True)
         for i in range(start, len(seq)):
             piece = self._piece(seq[i])
             out["tokens"].append(piece)
-            # where the token's text starts in the returned text (a token inside a character: that character's start)
-            if i < len(c.prompt_ids):
-                out["text_offset"].append(len(self.tokenizer.decode(seq[:i]).rstrip("\ufffd")) if i else 0)
-            else:
-                out["text_offset"].append(base + len(self.tokenizer.decode(gen[:i - len(c.prompt_ids)],
-                                                                            skip_special_tokens=True).rstrip("\ufffd")))
+            n = len(c.prompt_ids)
+            out["text_offset"].append(prompt_at[i] if i < n else base + gen_at[i - n])
             if i == 0:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -658,6 +683,13 @@ class Server:
             e["top_logprobs"] = [entry(int(a), float(x)) for a, x in zip(lp.top_ids[i], lp.top_logprobs[i])]
             content.append(e)
         return {"content": content}
+
+    async def build_body(self, req: ParsedRequest, rid: str, created: int, choices: list[Choice]) -> dict:
+        """:meth:`body`, in a worker thread when it holds log-probabilities (detokenizing thousands of tokens and
+        their alternatives must not hold up the event loop: ``/health`` and every other stream)."""
+        if any(c.logprobs is not None for c in choices):
+            return await asyncio.to_thread(self.body, req, rid, created, choices)
+        return self.body(req, rid, created, choices)
 
     def body(self, req: ParsedRequest, rid: str, created: int, choices: list[Choice]) -> dict:
         model = self.state.settings.name

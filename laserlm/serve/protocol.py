@@ -188,8 +188,8 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     if not 0 < top_p <= 1:
         raise bad(f"'top_p' must be in (0, 1], got {top_p}", "top_p")
     top_k = _int(body, "top_k", default=0)
-    if top_k < -1:
-        raise bad(f"'top_k' must be >= 0 (0 or -1 = off), got {top_k}", "top_k")
+    if top_k < -1 or top_k > 2**31 - 1:
+        raise bad(f"'top_k' must be in [0, 2147483647] (0 or -1 = off), got {top_k}", "top_k")
     seed = _int(body, "seed", lo=0)
     if seed is not None and seed >= 2**64:
         raise bad(f"'seed' must be below 2**64, got {seed}", "seed")
