@@ -5,7 +5,7 @@ Llama-3.1-8B, Qwen2.5-1.5B, Qwen3-1.7B, Gemma-3-1B, Mistral-7B-v0.1):
 
 1. a Hugging Face checkpoint with random weights, written one tensor at a time in bf16
    (``laserlm.bench.synthetic.write_checkpoint``; its docstring says how the weights are scaled);
-2. ``convert_hf_to_gguf.py --outtype bf16`` of the given llama.cpp source tree;
+2. ``convert_hf_to_gguf.py --outtype bf16`` of the given llama.cpp source tree (``convert_to_gguf``);
 3. ``llama-quantize`` to each requested type (Q4_0, Q4_K_M, ...).
 
 laserlm and llama.cpp then read the same files. Intermediate files are deleted unless ``--keep`` (the 8B's bf16
@@ -28,13 +28,13 @@ import sys
 import time
 from pathlib import Path
 
-from laserlm.bench.synthetic import ARCHITECTURES, write_checkpoint
+from laserlm.bench.synthetic import ARCHITECTURES, convert_to_gguf, write_checkpoint
 
 
-def run(cmd: list[str], env=None) -> float:
+def run(cmd: list[str]) -> float:
     print("+", " ".join(cmd), file=sys.stderr)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env)
+    subprocess.run(cmd, check=True)
     return time.perf_counter() - t0
 
 
@@ -53,7 +53,6 @@ def main() -> None:
     quantize = lc / "build" / "bin" / "llama-quantize"
     if not quantize.is_file():
         raise SystemExit(f"{quantize} not found: build llama.cpp first (DESIGN.md)")
-    env = {**os.environ, "PYTHONPATH": str(lc / "gguf-py")}  # the converter's own gguf-py, not the installed one
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         tag = name + (f"-{args.layers}l" if args.layers else "")
@@ -64,8 +63,9 @@ def main() -> None:
             write_checkpoint(name, hf, layers=args.layers, seed=args.seed)
         print(f"{name}: checkpoint {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         if not bf16.exists():
-            run([sys.executable, str(lc / "convert_hf_to_gguf.py"), str(hf), "--outtype", "bf16",
-                 "--outfile", str(bf16)], env=env)
+            t0 = time.perf_counter()
+            convert_to_gguf(lc, hf, bf16, "bf16")
+            print(f"{name}: converted in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         if not args.keep:
             shutil.rmtree(hf)
         for qtype in args.types:

@@ -86,3 +86,29 @@ def test_streamed_checkpoint_loads_in_transformers(tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("Hello world, this is a test of a cut tokenizer: ünïcödé 😀")["input_ids"]
     assert max(ids) < 32000 and tok.decode(ids).endswith("😀")
+
+
+# -- the same architectures as GGUF files made by llama.cpp's converter -----------------------------------------------
+LLAMACPP = os.environ.get("LASERLM_LLAMACPP")  # a llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)
+
+
+@pytest.mark.skipif(not LLAMACPP, reason="needs a llama.cpp source tree: LASERLM_LLAMACPP=PATH (DESIGN.md)")
+@pytest.mark.parametrize("name", list(_params(ARCHITECTURES)))
+def test_reduced_depth_gguf_loads_natively(name, tmp_path):
+    """A 2-layer checkpoint converted to Q8_0 by llama.cpp's own ``convert_hf_to_gguf.py`` opens with native weights
+    (packed from the file, no float copy) and its logits equal transformers' on the same file (transformers
+    dequantizes it to float32) within 1e-3 of the largest logit, over a prompt and 8 decode steps."""
+    from transformers import AutoModelForCausalLM
+
+    import laserlm
+    from laserlm.bench.synthetic import convert_to_gguf, write_checkpoint
+
+    hf = write_checkpoint(name, tmp_path / "hf", layers=LAYERS, progress=False)
+    gguf = convert_to_gguf(LLAMACPP, hf, tmp_path / "m-Q8_0.gguf", "q8_0")
+    lm = laserlm.load(str(gguf), weights="native")
+    assert lm.weights == "native"
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name, dtype=torch.float32).eval()
+    ids = torch.randint(0, 49152 if ref.config.vocab_size > 49152 else 32000, (1, 24),
+                        generator=torch.Generator().manual_seed(2))
+    # packed Q8_0 blocks in laserlm's kernels vs transformers' float GEMM over the dequantized matrix
+    check_prefill_and_decode(lm.engine, ref, ids, 8, rel_tol=1e-3)

@@ -160,10 +160,12 @@ def write_checkpoint(name: str, out: str | Path, layers: int | None = None, seed
     tmp = out.parent / f"{out.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cfg.torch_dtype = dtype
+    cfg.dtype = dtype
     cfg.save_pretrained(tmp)
     GenerationConfig.from_model_config(cfg).save_pretrained(tmp)
     _tokenizer(cfg).save_pretrained(tmp)
+    if cfg.model_type.startswith("gemma"):
+        _write_sentencepiece_model(tmp / "tokenizer.model")
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -216,6 +218,30 @@ def _tokenizer(cfg):
     return tok
 
 
+def _write_sentencepiece_model(path: Path) -> None:
+    """``tokenizer.model`` of the bundled Gemma 3 GGUF's vocabulary (pieces, scores and token types as stored; a
+    BPE SentencePiece model with byte fallback), for llama.cpp's converter, which reads a Gemma vocabulary from it
+    (``_set_vocab_sentencepiece``)."""
+    from gguf import GGUFReader  # noqa: PLC0415
+    from sentencepiece import sentencepiece_model_pb2 as spm  # noqa: PLC0415
+
+    from ..models.registry import BUNDLED  # noqa: PLC0415
+
+    r = GGUFReader(str(BUNDLED["gemma3-270m"].locate()))
+    tokens = r.fields["tokenizer.ggml.tokens"].contents()
+    scores = r.fields["tokenizer.ggml.scores"].contents()
+    types = r.fields["tokenizer.ggml.token_type"].contents()  # llama.cpp's token types are SentencePiece's enum
+    m = spm.ModelProto()
+    m.trainer_spec.model_type = spm.TrainerSpec.BPE
+    m.trainer_spec.byte_fallback = True
+    m.trainer_spec.vocab_size = len(tokens)
+    m.normalizer_spec.name = "identity"
+    m.normalizer_spec.add_dummy_prefix = False
+    for piece, score, kind in zip(tokens, scores, types):
+        m.pieces.add(piece=piece, score=float(score), type=int(kind))
+    path.write_bytes(m.SerializeToString())
+
+
 def _truncated_bpe(tok, vocab_size: int):
     """``tok`` (a byte-level BPE) cut to its first ``vocab_size`` ids: the merges whose parts and result all stay
     below ``vocab_size`` are kept, so it still encodes any text (Mistral's 32,000-token vocabulary)."""
@@ -239,3 +265,45 @@ def _truncated_bpe(tok, vocab_size: int):
                                    unk_token=tok.unk_token, pad_token=tok.pad_token)
     fast.chat_template = tok.chat_template
     return fast
+
+
+#: llama.cpp pre-tokenizer name a stand-in tokenizer is converted as, by model type (module docstring)
+_PRE_TOKENIZER = {"qwen2": "qwen2", "qwen3": "qwen2"}
+
+_CONVERT = """
+import runpy, sys
+tree, pre = sys.argv[1], sys.argv[2]
+sys.argv = [tree + "/convert_hf_to_gguf.py"] + sys.argv[3:]
+sys.path[:0] = [tree, tree + "/gguf-py"]
+from conversion import base
+known = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return known(self, tokenizer)
+    except NotImplementedError:  # a stand-in tokenizer llama.cpp's hash table does not list
+        return pre
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def convert_to_gguf(llama_cpp: str | Path, checkpoint: str | Path, outfile: str | Path, outtype: str = "bf16",
+                    quiet: bool = False) -> Path:
+    """Convert a :func:`write_checkpoint` directory to GGUF with llama.cpp's own ``convert_hf_to_gguf.py`` (from the
+    source tree ``llama_cpp``, with its own gguf-py). ``outtype``: the converter's (``bf16``, ``f16``, ``q8_0``...).
+
+    A stand-in tokenizer's pre-tokenizer hash is not in llama.cpp's table when the model type makes transformers
+    apply its own split pattern (Qwen's); it is then declared as that family's pre-tokenizer (``qwen2``), which is
+    the pattern transformers applied. The weights are converted unchanged.
+
+    Raises:
+        subprocess.CalledProcessError: the converter failed (its stderr is in the exception when ``quiet``).
+    """
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    model_type = json.loads((Path(checkpoint) / "config.json").read_text())["model_type"]
+    cmd = [sys.executable, "-c", _CONVERT, str(Path(llama_cpp).resolve()), _PRE_TOKENIZER.get(model_type, "smollm"),
+           str(checkpoint), "--outtype", outtype, "--outfile", str(outfile)]
+    subprocess.run(cmd, check=True, capture_output=quiet, text=True)
+    return Path(outfile)
