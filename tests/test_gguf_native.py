@@ -170,3 +170,30 @@ def test_too_large_for_memory_is_refused_before_allocation(cut, cache, monkeypat
         f.unlink()  # a float copy another test made
     with pytest.raises(InvalidArgumentError, match="--weights native"):
         load_model(str(cut), weights="fp32")
+
+
+def _resident_kib(path) -> int:
+    """Resident KiB of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_released_tensor_pages_leave_resident_memory(cut):
+    """Packing releases each converted tensor's pages of the mapped file, so a load does not hold the file resident
+    beside its packed copy (an 8B Q4_K_M file is 4.6 GiB): after reading the largest tensor its pages are resident,
+    after release they are not."""
+    table = gguf_file.GGUFTensors(cut)
+    t = max(table.tensors, key=lambda x: x.n_bytes)
+    assert t.n_bytes > 4 << 20
+    before = _resident_kib(cut.resolve())
+    float(np.asarray(t.data).sum(dtype=np.uint64))  # touch every page
+    touched = _resident_kib(cut.resolve())
+    assert touched - before > t.n_bytes // 1024 // 2
+    table.release(t)
+    assert _resident_kib(cut.resolve()) - before < 64  # at most the pages shared with the neighbours

@@ -161,6 +161,7 @@ class _GGUFSource:
             cfg = self.config
             heads = cfg.num_attention_heads if ".attn_q." in name else cfg.num_key_value_heads
             data = data[torch.from_numpy(_reverse_permute_rows(n, heads))].contiguous()
+        self.reader.release(t)  # converted; a view still reads the (shared, read-only) mapping from the file
         return kind, data, fmt, f"{t.tensor_type.name}: {how}"
 
 
