@@ -19,7 +19,7 @@ from .models.loader import LoadedModel, load_model
 from .modes import make_mode
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationResult, encode_prompt, eos_token_ids
-from .runtime.loop import generate_tokens
+from .runtime.loop import generate_tokens, summarize
 from .runtime.sampling import SamplingParams
 from .runtime.scheduler import BatchConfig, Scheduler
 
@@ -242,8 +242,7 @@ class _Replay:
         return iter(self.seq.events)
 
     def summary(self) -> dict:
-        fn = getattr(self.seq.mode, "summary", None)
-        return fn(self.seq.request) if fn is not None and self.seq.request.state is not None else {}
+        return summarize(self.seq.mode, self.seq.request)
 
 
 def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,

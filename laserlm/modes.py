@@ -1,6 +1,6 @@
 """The table of named decoding modes, built explicitly from the mode packages (no import-time registration).
 
-The mode interface (:class:`~laserlm.runtime.modes.DecodingMode`), the reference :class:`~laserlm.runtime.modes.FullDepth`
+The mode interface (:class:`~laserlm.runtime.modes.Mode`), the reference :class:`~laserlm.runtime.modes.FullDepth`
 and the spec syntax (:func:`~laserlm.runtime.modes.parse_spec`, ``NAME[:key=value,...]``) live in the runtime;
 this module sits above the runtime and the modes and maps names to factories ``factory(engine, **options)``:
 
@@ -23,7 +23,7 @@ from typing import Callable
 
 from .depth import make_adaptive, make_early_exit, make_static
 from .errors import InvalidArgumentError
-from .runtime.modes import DecodingMode, FullDepth, parse_spec
+from .runtime.modes import Mode, FullDepth, parse_spec
 from .speculative import make_speculative
 
 
@@ -38,7 +38,7 @@ def make_full(engine, **opts) -> FullDepth:
     return FullDepth()
 
 
-# name -> factory(engine, **options) -> DecodingMode; options are the parsed key=value pairs (strings)
+# name -> factory(engine, **options) -> Mode; options are the parsed key=value pairs (strings)
 MODES: dict[str, Callable] = {
     "full": make_full,
     "adaptive": make_adaptive,
@@ -49,11 +49,11 @@ MODES: dict[str, Callable] = {
 
 
 def register_mode(name: str, factory: Callable) -> None:
-    """Make ``factory(engine, **options) -> DecodingMode`` available as mode ``name``."""
+    """Make ``factory(engine, **options) -> Mode`` available as mode ``name``."""
     MODES[name] = factory
 
 
-def make_mode(spec, engine) -> DecodingMode:
+def make_mode(spec, engine) -> Mode:
     """Build a mode from a spec string ``NAME[:key=value,...]`` (or return a mode object unchanged).
 
     Raises:

@@ -18,7 +18,7 @@ from laserlm.evaluation import data as D
 from laserlm.evaluation.scoring import Scorer, encode_pair
 from laserlm.evaluation.tasks import EvalSettings, Evaluator, text_windows
 from laserlm.modes import register_mode
-from laserlm.runtime.modes import FullDepth, ScoreOutput
+from laserlm.runtime.modes import FullDepth, Mode, ScoreOutput
 from laserlm.models.loader import reference_dir
 
 REAL = find_data_root() or Path("no-shared-data")  # the shared data directory, if configured
@@ -27,7 +27,7 @@ TEXT = ("The tower is 324 metres tall , about the same height as an 81 @-@ store
 
 
 # -- test modes: a copy of full depth through the generic path, a half-depth model, a broken one --------
-class CopyMode:
+class CopyMode(Mode):
     """Full depth, but not a FullDepth instance: exercises the generic mode.score path."""
 
     name = "test_copy"

@@ -66,6 +66,39 @@ def test_mixed_batch_equals_each_request_alone(smol):
     assert sched.pool.used_pages == 0 and sched.pool.reserved == 0
 
 
+def test_four_modes_interleaved_through_the_scheduler(smol):
+    """Four requests of four different modes (full, adaptive, lookup-draft speculative, static pruning) admitted
+    together and stepped one scheduler step at a time on one engine: each gets exactly its solo tokens, and every
+    mode is driven only through the :class:`Mode` contract (no mode is probed by name)."""
+    from laserlm.runtime.modes import Mode
+
+    eng, tok = smol.engine, smol.tokenizer
+    specs = ["full", "adaptive:policy=confidence,threshold=0.9,patience=1", "speculative:draft=ngram",
+             "static:drop=12/13"]
+    modes = [make_mode(s, eng) for s in specs]
+    assert all(isinstance(m, Mode) for m in modes)
+    ids = [torch.tensor(tok(p)["input_ids"]) for p in PROMPTS[:4]]
+    params = [SamplingParams(max_new_tokens=10, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, ignore_eos=True),
+              SamplingParams(max_new_tokens=10, temperature=0.8, seed=5, ignore_eos=True)]
+    expected = [alone(eng, m, i, p, 10) for m, i, p in zip(modes, ids, params)]
+    sched = Scheduler(eng, BatchConfig(kv_budget="32MiB", max_batch=4, prefill_chunk=4), smol.eos_ids)
+    rids = [sched.submit(i, p, m) for m, i, p in zip(modes, ids, params)]
+    steps = 0
+    while sched.has_unfinished:
+        sched.step()
+        steps += 1
+        assert steps < 1000
+    got = [[e.token_id for e in sched.get(r).events] for r in rids]
+    assert got == expected
+    assert len({len(sched.get(r).events) for r in rids}) == 1 and steps > 10  # interleaved, not run one by one
+    assert any(e.info.get("exit_layer", 30) < 30 for e in sched.get(rids[1]).events)  # adaptive really exited
+    assert sum(e.layers for e in sched.get(rids[3]).events) < 30 * 10  # static really skipped layers
+    sched.pool.check()
+    assert sched.pool.used_pages == 0
+
+
 def test_generate_batch_matches_generate(smol):
     """The offline API: same text, tokens and finish reasons as one ``generate`` per prompt (EOS and stop strings
     included)."""

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
-from ..runtime.modes import ScoreOutput
+from ..runtime.modes import Mode, ScoreOutput
 from .stats import summarize_events
 
 DEFAULT_CALIB_TOKENS = 2048
@@ -110,7 +110,7 @@ def _runs(layers: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-class LayerSubset:
+class LayerSubset(Mode):
     """The model restricted to ``kept`` decoder layers (static pruning / naive early exit).
 
     Args:
@@ -152,9 +152,6 @@ class LayerSubset:
     def _emit(self, request, logits) -> list[Emitted]:
         n = len(self.kept)
         return [Emitted(request.sample(logits[-1]), n, {"exit_layer": self.kept[-1] + 1, "compute_layers": n})]
-
-    def new_state(self, engine, request=None):
-        return None
 
     def prefill(self, engine, request) -> list[Emitted]:
         """The prompt through the kept layers only; ``Emitted.layers`` = number of kept layers."""

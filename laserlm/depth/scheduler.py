@@ -33,7 +33,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
-from ..runtime.modes import ScoreOutput
+from ..runtime.modes import Mode, ScoreOutput
 from .batched import run_layers_frozen
 from .bridge import Bridge, DeferredBridge, PendingToken, PropagateBridge, make_bridge
 from .groups import LayerGroups
@@ -69,7 +69,7 @@ class DepthState:
     last_ats: float = float("nan")
 
 
-class AdaptiveDepth:
+class AdaptiveDepth(Mode):
     """Adaptive-depth decoding mode (``adaptive``).
 
     Args:

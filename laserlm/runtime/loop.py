@@ -1,6 +1,6 @@
 """The one generation loop: prefill, then step until the request has its tokens.
 
-Every decoding mode plugs into it through three calls (:class:`~laserlm.runtime.modes.DecodingMode`):
+Every decoding mode plugs into it through three calls (:class:`~laserlm.runtime.modes.Mode`):
 ``new_state(engine, request)``, ``prefill(engine, request)`` and ``step(engine, request)``; the last two
 return the tokens they emitted as :class:`Emitted` (one for full depth and adaptive depth, several for a
 speculative cycle). The loop times them, appends the tokens to the request and yields
@@ -34,12 +34,18 @@ class Emitted:
 def start(engine, mode, request: Request) -> list[Emitted]:
     """Give ``request`` its mode state and run its prompt; returns the first token(s)."""
     request.state = mode.new_state(engine, request)
+    request.started = True
     return record(request, mode.prefill(engine, request))
 
 
 def advance(engine, mode, request: Request) -> list[Emitted]:
     """One step of ``request`` (it must have been started and have ``remaining > 0``)."""
     return record(request, mode.step(engine, request))
+
+
+def summarize(mode, request: Request) -> dict:
+    """``mode.summary(request)`` for a started request; ``{}`` for one whose mode never ran (no state)."""
+    return mode.summary(request) if request.started else {}
 
 
 def record(request: Request, emitted: list[Emitted]) -> list[Emitted]:
@@ -68,8 +74,7 @@ class RequestRun:
         return next(self._it)
 
     def summary(self) -> dict:
-        fn = getattr(self.mode, "summary", None)
-        return fn(self.request) if fn is not None else {}
+        return summarize(self.mode, self.request)
 
     @torch.inference_mode()
     def _run(self) -> Iterator[TokenEvent]:

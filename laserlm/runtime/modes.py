@@ -6,7 +6,7 @@ implement the same interface, and the table of named modes is built above them, 
 (``make_mode``). Generation, evaluation and benchmarks only talk to this interface, so every metric
 runs for every configuration.
 
-A mode is a stateless, validated config: what changes while a request runs (patience streak, pending
+Every mode subclasses :class:`Mode`, which states the whole contract with its defaults. A mode is a stateless, validated config: what changes while a request runs (patience streak, pending
 token, draft statistics) lives in the request's ``state`` (:mod:`laserlm.runtime.request`), which the mode
 creates in ``new_state``. Generation drives every mode through the one loop of :mod:`laserlm.runtime.loop`.
 
@@ -17,8 +17,6 @@ A mode is written as a spec string ``NAME[:key=value,key=value...]``, e.g. ``ful
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
 
 from ..errors import InvalidArgumentError
@@ -36,43 +34,68 @@ class ScoreOutput:
     infos: list[dict] = field(default_factory=list)
 
 
-class DecodingMode(Protocol):
-    """What a decoding mode provides. ``engine`` is a :class:`~laserlm.runtime.engine.Engine`, ``request`` a
-    :class:`~laserlm.runtime.request.Request`; ``prefill`` and ``step`` return
-    :class:`~laserlm.runtime.loop.Emitted` tokens."""
+class Mode:
+    """The contract every decoding mode implements, with its defaults.
 
-    name: str
+    A mode subclasses this and overrides :meth:`prefill`, :meth:`step` and :meth:`score`; everything else has a
+    default that is right for a mode that produces one token per forward, one request at a time. ``engine`` is a
+    :class:`~laserlm.runtime.engine.Engine`, ``request`` a :class:`~laserlm.runtime.request.Request`;
+    ``prefill``/``step`` return :class:`~laserlm.runtime.loop.Emitted` tokens.
+
+    Capabilities the scheduler, loop and server read (class attributes, never probed by name):
+
+    - ``prefill_key``: ``"full"`` when the mode's prefill runs every layer on every prompt token, so the prompt's
+      K/V depend only on its tokens. The scheduler may then prefill in full-depth chunks and share prompt pages
+      between requests (:mod:`laserlm.runtime.kv_pool`). ``None``: the whole prompt goes through :meth:`prefill`.
+    - ``samples_each_token``: every emitted token is drawn by ``request.sample`` (so penalties and grammar
+      constraints apply). ``False`` for modes that accept drafted tokens against an unchanged target.
+    - ``rolls_back``: a step may write K/V positions and then discard them (a speculative verify). Such a mode
+      cannot run under KV eviction, which may drop the pages a rollback returns to.
+    """
+
+    name: str = "mode"
+    prefill_key: str | None = None
+    samples_each_token: bool = True
+    rolls_back: bool = False
 
     def new_state(self, engine, request):
-        """The per-request state this mode keeps in ``request.state`` (or ``None``)."""
+        """The per-request state this mode keeps in ``request.state`` (default ``None``)."""
+        return None
 
     def prefill(self, engine, request) -> list:
-        """Run the prompt into ``request.cache`` (from position ``request.prefilled``: the positions before it
-        are already there); return the first generated token(s).
-
-        A mode whose prefill runs every layer on every prompt token sets ``prefill_key = "full"``: the scheduler
-        may then prefill its prompts in full-depth chunks and share prompt pages between requests
-        (:mod:`laserlm.runtime.kv_pool`). Without it the scheduler runs the whole prompt through ``prefill``."""
+        """Run the prompt into ``request.cache`` from position ``request.prefilled`` (the positions before it are
+        already there); return the first generated token(s)."""
+        raise NotImplementedError(f"{type(self).__name__}.prefill")
 
     def step(self, engine, request) -> list:
-        """Feed ``request.last_token``; return the next token(s) (at most ``request.remaining``)."""
+        """Feed ``request.last_token``; return the next token(s) (at most ``request.remaining`` are kept)."""
+        raise NotImplementedError(f"{type(self).__name__}.step")
 
     def score(self, engine, input_ids: torch.Tensor) -> ScoreOutput:
         """Teacher-forced logits of every position of ``input_ids [T]`` under this mode."""
+        raise NotImplementedError(f"{type(self).__name__}.score")
 
-    # optional, for continuous batching (laserlm.runtime.scheduler): ``batchable(engine) -> bool`` and
-    # ``step_batch(engine, requests) -> list[list[Emitted]]`` (one step of several requests in one forward, each
-    # as its own ``step`` would give it up to float rounding). Modes without them are stepped one request at a time.
+    def batchable(self, engine) -> bool:
+        """Whether :meth:`step_batch` applies on ``engine`` (default: no; the scheduler then steps each request
+        alone)."""
+        return False
+
+    def step_batch(self, engine, requests) -> list[list]:
+        """One step of several requests (paged caches) in one forward, each as its own :meth:`step` would give
+        it up to float rounding. Called only when :meth:`batchable` is true."""
+        raise NotImplementedError(f"{type(self).__name__}.step_batch")
+
+    def summary(self, request) -> dict:
+        """The mode's statistics for a finished ``request`` (merged into ``GenerationResult.extra``); default
+        none."""
+        return {}
 
 
-class FullDepth:
+class FullDepth(Mode):
     """The unmodified model: every token runs every decoder layer."""
 
     name = "full"
     prefill_key = "full"  # the prompt's K/V depend only on its tokens: prefix pages may be shared
-
-    def new_state(self, engine, request):
-        return None
 
     def prefill(self, engine, request):
         p = request.prefilled

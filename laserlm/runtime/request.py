@@ -35,6 +35,7 @@ class Request:
         request_id: a process-unique id.
         prefilled: prompt positions already in ``cache`` before the mode's ``prefill`` runs (a shared prefix,
             earlier prefill chunks; :mod:`laserlm.runtime.scheduler`); the mode computes the rest.
+        started: the mode has given the request its state (:func:`laserlm.runtime.loop.start`).
     """
 
     prompt_ids: torch.Tensor
@@ -47,6 +48,7 @@ class Request:
     infos: list[dict] = field(default_factory=list)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     prefilled: int = 0
+    started: bool = False
 
     @property
     def last_token(self) -> int:

@@ -118,9 +118,9 @@ def check_mode_sampling(params: SamplingParams, mode) -> None:
     Raises:
         InvalidArgumentError: naming the mode.
     """
-    if getattr(mode, "samples_each_token", True):
+    if mode.samples_each_token:
         return
-    name = getattr(mode, "name", type(mode).__name__)
+    name = mode.name
     if params.penalized:
         raise InvalidArgumentError(f"presence/frequency/repetition penalties are not supported with the {name} mode "
                                    "(its drafts are verified against the unpenalised distribution); use another mode "

@@ -183,7 +183,7 @@ class Scheduler:
         pages = self.pool.pages_for(positions)
         if self.eviction is not None:
             prompt = prompt_tokens or positions
-            write = min(self.config.prefill_chunk, prompt) if getattr(mode, "prefill_key", None) is not None else prompt
+            write = min(self.config.prefill_chunk, prompt) if mode.prefill_key is not None else prompt
             burst = self.pool.pages_for(write) + self.pool.num_layers  # + a page boundary
             cap = self.eviction.max_pages_per_request(self.pool.num_layers, self.pool.page_size)
             pages = min(pages, cap + burst)
@@ -193,7 +193,7 @@ class Scheduler:
         if self.engine.kernel is not None:
             raise InvalidArgumentError("block-sparse attention does not run on the paged KV pool yet; use dense "
                                        "attention with the scheduler (or LaserLM.generate for sparse attention)")
-        if self.eviction is not None and getattr(mode, "name", "") == "speculative":
+        if self.eviction is not None and mode.rolls_back:
             raise InvalidArgumentError("KV eviction does not combine with speculative decoding (a verify rolls "
                                        "positions back over pages the policy may have dropped); use eviction none")
 
@@ -324,7 +324,7 @@ class Scheduler:
             pool.reserved += seq.reserved
             req = seq.request
             req.cache = PagedCache(pool, req.prompt_ids.numel() + req.max_tokens, self.eviction)
-            key = getattr(seq.mode, "prefill_key", None)
+            key = seq.mode.prefill_key
             if self._prefix_cache and key is not None:
                 req.prefilled = req.cache.attach_prefix(req.prompt_ids.tolist(), key)
                 self.stats["prefix_hit_tokens"] += req.prefilled
@@ -335,7 +335,7 @@ class Scheduler:
         """Prefill up to ``budget`` prompt tokens of ``seq`` (its last part through the mode, which emits the
         first token); returns the tokens used."""
         eng, req = self.engine, seq.request
-        key = getattr(seq.mode, "prefill_key", None)
+        key = seq.mode.prefill_key
         left = req.prompt_ids.numel() - req.prefilled
         if key is not None and left > budget:
             p = req.prefilled
@@ -361,8 +361,7 @@ class Scheduler:
         by_mode: dict[int, list[Sequence]] = {}
         single = []
         for s in decoding:
-            ok = getattr(s.mode, "batchable", None)
-            if ok is not None and ok(self.engine):
+            if s.mode.batchable(self.engine):
                 by_mode.setdefault(id(s.mode), []).append(s)
             else:
                 single.append(s)
@@ -384,7 +383,7 @@ class Scheduler:
             if budget <= 0:
                 break
             left = s.request.prompt_ids.numel() - s.request.prefilled
-            if getattr(s.mode, "prefill_key", None) is None and left > budget and budget < self.config.prefill_chunk:
+            if s.mode.prefill_key is None and left > budget and budget < self.config.prefill_chunk:
                 break  # a prompt that cannot be chunked waits for a step of its own
             budget -= self._prefill(s, budget)
         batches, single = self._groups(decoding)

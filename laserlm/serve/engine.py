@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..runtime.generate import TokenEvent
+from ..runtime.loop import summarize
 from ..runtime.scheduler import Scheduler
 
 log = logging.getLogger("laserlm.serve")
@@ -144,10 +145,9 @@ class ServingEngine:
         if seq is None:
             return
         summary = {}
-        fn = getattr(seq.mode, "summary", None)
-        if fn is not None and seq.request.state is not None:
+        if seq.request.started:
             try:
-                summary = fn(seq.request)
+                summary = summarize(seq.mode, seq.request)
             except Exception:  # noqa: BLE001 - statistics never fail a request
                 log.exception("mode summary failed")
         reason = "error" if error is not None else (seq.finish_reason or "cancelled")

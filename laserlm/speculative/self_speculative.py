@@ -93,7 +93,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
-from ..runtime.modes import FullDepth, ScoreOutput
+from ..runtime.modes import FullDepth, Mode, ScoreOutput
 from ..runtime.options import from_spec
 from ..runtime.sampling import check_finite, probabilities
 from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
@@ -215,7 +215,7 @@ def head_fraction(engine) -> float:
         return 0.2
 
 
-class SpeculativeDecoding:
+class SpeculativeDecoding(Mode):
     """The ``speculative`` decoding mode (see the module docstring for the algorithm).
 
     Sampling penalties and grammar constraints are refused (``samples_each_token``): drafts are accepted against
@@ -269,6 +269,7 @@ class SpeculativeDecoding:
 
     name = "speculative"
     samples_each_token = False  # drafts are accepted, not sampled: no penalties, no grammar constraints
+    rolls_back = True  # a verify writes every drafted position and keeps only the accepted ones
 
     def __init__(self, num_layers: int, draft_layers: int | None = None, k: int | None = None,
                  threshold: float = DEFAULT_THRESHOLD, reuse: bool = True, exit_head: ExitHead | None = None,
