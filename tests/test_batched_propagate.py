@@ -15,7 +15,7 @@ from laserlm.depth.heads import gate_scalars_batch
 from laserlm.depth.policies import AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, Saturation
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 
 from test_depth import tiny_gemma3
 
@@ -296,6 +296,34 @@ def test_damaged_laser_file_is_detected(tmp_path, smol):
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptModelError, match="checksum"):
         load_laser_file(path, eng)
+
+
+def test_router_learns_separable_routes():
+    """Two clusters of prompts with different routes (the fitting branch, not the constant one): the focal loss
+    falls and the router routes held-out prompts of each cluster to their cluster's route; a router trained on
+    shuffled labels cannot."""
+    from laserlm.depth.router import DynamicRouter
+    from laserlm.training.router import RouterData, train_router
+
+    g = torch.Generator().manual_seed(1)
+    centre = torch.randn(2, 16, generator=g) * 3
+
+    def draw(n):
+        x = torch.cat([centre[0] + torch.randn(n, 16, generator=g), centre[1] + torch.randn(n, 16, generator=g)])
+        return x, torch.cat([torch.zeros(n, dtype=torch.long), torch.full((n,), 2)])
+
+    x, y = draw(12)
+    router = DynamicRouter(16, [10, 20])
+    losses = train_router(router, RouterData(x, y))
+    assert losses and losses[-1] < 0.5 * losses[0]
+    xt, yt = draw(20)
+    with torch.no_grad():
+        pred = router(xt).argmax(-1)
+    assert (pred == yt).float().mean() >= 0.95
+    shuffled = DynamicRouter(16, [10, 20])
+    train_router(shuffled, RouterData(x, y[torch.randperm(len(y), generator=g)]))
+    with torch.no_grad():
+        assert (shuffled(xt).argmax(-1) == yt).float().mean() < 0.9
 
 
 def test_router_is_conservative():

@@ -447,6 +447,13 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert set(art.heads) == {2, 4, 6} and art.router is not None
     thr = art.thresholds["gate_threshold"]
     assert 0 <= thr <= 1
+    # the joint stage trained the heads further, and the artifact holds its heads, not the head stage's
+    work_dir = tmp_path / "tiny.safetensors.work"
+    staged = torch.load(work_dir / "heads.pt", weights_only=False)["heads"]
+    joint = torch.load(work_dir / "joint.pt", weights_only=False)["heads"]
+    assert any(not torch.equal(staged[k], joint[k]) for k in staged)
+    shipped = {k: v for k, v in art.heads[4].state_dict().items() if f"4.{k}" in joint}
+    assert shipped and all(torch.equal(v.float(), joint[f"4.{k}"].float()) for k, v in shipped.items())
     # the complexity predictor: trained, certified like the gates (propagate decoding of the calibration chunks),
     # stored and runnable as policy=predictor with the bridge it was certified for
     assert art.predictor is not None and art.predictor.exit_points == [2, 4, 6]
@@ -473,6 +480,9 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     h = torch.randn(3, 32)
     assert torch.equal(art2.heads[4](h), art.heads[4](h))
     assert s2["calibration"]["target"]["value"] == 0.3
+    # a lower agreement target never certifies a stricter threshold, nor more layers per token
+    assert art2.thresholds["gate_threshold"] <= thr
+    assert s2["held_out"]["mean_layers"] <= s["held_out"]["mean_layers"]
     assert {n: (work / n).stat().st_mtime_ns for n in mtimes} == mtimes  # no stage ran again
     # resume with other head settings retrains the heads and everything that reads them, not the collection
     manifest = json.loads((tmp_path / "tiny.safetensors.work" / "manifest.json").read_text())["stages"]

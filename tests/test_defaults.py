@@ -127,7 +127,7 @@ def small_builder(tmp_path, monkeypatch):
 def test_bundled_adaptive_builds_a_calibrated_artifact_once_and_reuses_it(smol, tmp_path, small_builder, capsys):
     import laserlm
     from laserlm.depth.laser_file import load_laser_file
-    from laserlm.depth.scheduler import AdaptiveDepth
+    from laserlm.depth.adaptive import AdaptiveDepth
 
     calls = small_builder
     expect = defaults.adaptive_artifact_path(smol.engine, _small_calibration().to_dict())
@@ -282,9 +282,9 @@ def test_the_default_recipe_is_chat_text_and_part_of_the_cache_key(smol):
 # -- the real default (6 minutes on 2 cores) --------------------------------------------------------------
 @pytest.mark.slow
 def test_bare_adaptive_meets_its_target_on_the_shipped_prompts(tmp_path, monkeypatch):
-    """What issue 12 requires: on a bundled model, ``--mode adaptive`` with no other flag meets the calibrated
-    artifact's agreement target (top-1 agreement with full-depth greedy output, per generated position) on the
-    shipped prompt set."""
+    """On a bundled model, ``--mode adaptive`` with no other flag meets the calibrated artifact's agreement target
+    (top-1 agreement with full-depth greedy output, per generated position) on the shipped prompt set, and it does
+    so with fewer layers than full depth (xfail, with the figure, while nothing exits)."""
     import laserlm
     from laserlm.evaluation.tasks import load_prompts
     from laserlm.runtime.generate import encode_prompt
@@ -298,14 +298,22 @@ def test_bare_adaptive_meets_its_target_on_the_shipped_prompts(tmp_path, monkeyp
     path = defaults.adaptive_artifact_path(lm.engine)
     target = json.loads(path.with_suffix(".json").read_text())["config"]["calibration"]["settings"]["target_agreement"]
     agree = total = 0
+    layers = []
     for prompt in load_prompts():
         ref = lm.generate(prompt, chat=True, max_new_tokens=32, ignore_eos=True)
         prompt_ids = encode_prompt(lm.tokenizer, prompt, True, lm.engine.max_seq_len).tolist()
         ids = torch.tensor(prompt_ids + ref.token_ids)
         with torch.inference_mode():
-            logits = mode.score(lm.engine, ids).logits
+            out = mode.score(lm.engine, ids)
         n = len(prompt_ids)
-        pred = logits[n - 1:-1].argmax(-1)  # predictions of the generated positions, teacher-forced
+        pred = out.logits[n - 1:-1].argmax(-1)  # predictions of the generated positions, teacher-forced
         agree += int((pred == torch.tensor(ref.token_ids)).sum())
         total += len(ref.token_ids)
+        layers.append(out.layers[n - 1:-1])
     assert agree / total >= target, (agree, total, target)
+    # a certificate at threshold 1.0 meets any target by never exiting: that is not adaptive depth
+    mean_layers = float(torch.cat(layers).float().mean())
+    if mean_layers >= lm.engine.num_layers:
+        pytest.xfail(f"the bare adaptive default never exits ({mean_layers:.2f} of {lm.engine.num_layers} layers per "
+                     "token): the bundled model is not trained to exit (exit-trained backbone, issue 33)")
+    assert mean_layers < lm.engine.num_layers

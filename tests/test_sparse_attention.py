@@ -293,10 +293,22 @@ def test_cli_bad_block_size_exits_2(capsys):
     assert "block size must be a positive integer" in capsys.readouterr().err
 
 
-def test_threshold_gap_is_length_adaptive():
+def test_threshold_rule_keeps_more_blocks_at_longer_context():
+    """The seed's rule through ``select_blocks``: a key block whose coarse logit lies 4.0 below the best is dropped
+    with 1,024 visible keys (allowed gap 0.5 ln 1024 = 3.47) and kept with 8,192 (4.51); a block 3.0 below is kept
+    at both; an invisible block never is. Reference: the rule written out in float64 per block."""
+    from laserlm.attention.selection import select_blocks
+
     cfg = SparseConfig(threshold=0.5)
-    assert math.isclose(cfg.gap(1024.0), 0.5 * math.log(1024))
-    assert cfg.gap(8192.0) > cfg.gap(1024.0)
+    gaps = [0.0, 3.0, 4.0, 6.0, 0.5]
+    scores = torch.tensor([[[[10.0 - g for g in gaps]]]])  # [N=1, G=1, nQ=1, nK=5]
+    visible = torch.tensor([[True, True, True, True, False]])
+    forced = torch.zeros(1, 5, dtype=torch.bool)
+    expected = {1024: [True, True, False, False, False], 8192: [True, True, True, False, False]}
+    for n in (1024, 8192):
+        got = select_blocks(scores, visible, forced, torch.tensor([float(n)]), torch.full((5,), 64.0), cfg)[0, 0]
+        ref = [bool(vis) and (10.0 - g) >= 10.0 - 0.5 * math.log(n) for g, vis in zip(gaps, visible[0].tolist())]
+        assert got.tolist() == ref == expected[n]
 
 
 @pytest.mark.parametrize("t,s,bs", [(256, 256, 32), (100, 260, 32), (100, 250, 32)])  # fast path x2, general

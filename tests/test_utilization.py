@@ -28,8 +28,13 @@ def test_bytes_per_token_counts_float_weights_and_kv():
     assert utilization(1e6, 20.0, 4e7) == pytest.approx(0.5)
 
 
-def test_read_bandwidth_is_plausible():
-    bw = read_bandwidth(mib=64, reps=2)
-    assert 1e8 < bw < 1e12  # between 0.1 GB/s and 1 TB/s
+def test_read_bandwidth_is_bytes_over_the_best_rep(monkeypatch):
+    """With a clock that reports the untimed pass and three reps of 0.5, 0.25 and 0.4 s, 64 MiB read gives
+    64 MiB / 0.25 s exactly: the best rep, the whole tensor's bytes, the warm-up pass not timed."""
+    import laserlm.bench.utilization as U
+
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 2.4])
+    monkeypatch.setattr(U.time, "perf_counter", lambda: next(ticks))
+    assert read_bandwidth(mib=64, reps=3) == 64 * 2**20 / 0.25
     with pytest.raises(InvalidArgumentError):
         read_bandwidth(mib=8)
