@@ -16,9 +16,9 @@ from typing import Callable
 
 from .errors import InvalidArgumentError
 from .models.loader import LoadedModel, load_model
-from .modes import make_mode
+from .mode_table import make_mode
 from .runtime.engine import Engine
-from .runtime.generate import Generation, GenerationResult, encode_prompt, eos_token_ids
+from .runtime.generate import Generation, GenerationResult, IncrementalDecoder, encode_prompt, eos_token_ids
 from .runtime.loop import generate_tokens, summarize
 from .runtime.sampling import SamplingParams
 from .runtime.scheduler import BatchConfig, Scheduler
@@ -195,9 +195,18 @@ class LaserLM:
         tok = self.tokenizer
         stop_check = None
         if params.stop:
+            decoders: dict[str, IncrementalDecoder] = {}
+            longest = max(len(s) for s in params.stop)
+
             def stop_check(req):
-                text = tok.decode(req.output_ids, skip_special_tokens=True)
-                return any(s in text for s in params.stop)
+                """Whether a stop string appeared in the text the newest tokens added (incremental decode)."""
+                dec = decoders.setdefault(req.request_id, IncrementalDecoder(tok))
+                before = len(dec.text)
+                text = dec.text
+                for t in req.output_ids[len(dec.ids):]:
+                    text = dec.push(t)
+                start = max(0, before - longest)
+                return any(text.find(s, start) >= 0 for s in params.stop)
         for i in ids:  # every request must fit before any runs
             sched.check(i, params, m)
         bar = None

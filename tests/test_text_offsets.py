@@ -50,3 +50,22 @@ def test_text_lengths_of_byte_tokens_inside_a_character(tokenizer):
     ref = [len(tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids) + 1)]
     assert len(set(ref)) < len(ref)  # some token did end inside a character (else this test checks nothing)
     assert text_lengths(tokenizer, ids) == ref
+
+
+@pytest.mark.parametrize("skip_special", [False, True])
+def test_incremental_decoder_equals_whole_decode(tokenizer, skip_special):
+    """The generation loop's incremental text equals ``decode(ids[:i])`` after every token (both sides stripped of
+    the U+FFFD of an unfinished character), on the texts above and on rare characters made of byte tokens."""
+    from laserlm.runtime.generate import IncrementalDecoder
+
+    specials = [t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id) if t is not None]
+    for text in TEXTS + ["a😶‍🌫️ 𓀀𒀀𐍈 \U0001FAE8 b"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = specials[:1] + ids + specials[-1:] + ids[:5]
+        dec = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special)
+        for i, t in enumerate(ids, 1):
+            got = dec.push(t)
+            ref = tokenizer.decode(ids[:i], skip_special_tokens=skip_special)
+            assert got.rstrip("\ufffd") == ref.rstrip("\ufffd"), (text, i)
+            if not ref.endswith("\ufffd"):
+                assert dec.text == ref and dec.complete == i

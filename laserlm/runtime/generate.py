@@ -17,7 +17,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..errors import ContextLengthError, InvalidArgumentError
+from ..errors import InvalidArgumentError
+from .request import check_prompt_ids
 from .sampling import SamplingParams
 
 
@@ -120,6 +121,47 @@ def _held_back(text: str, stops: list[str]) -> int:
     return best
 
 
+class IncrementalDecoder:
+    """The text of a growing list of token ids, in linear time: ``push(id)`` returns ``tokenizer.decode(ids)`` of
+    all ids so far.
+
+    Decoding the whole list after every token costs O(n²). Like vLLM's ``detokenize_incrementally`` and HF's
+    ``TextStreamer``, this decodes only the newest tokens with ``window`` tokens of context before the last point
+    where the text was complete (no trailing U+FFFD, the replacement character of an unfinished UTF-8 sequence):
+    the context makes tokenizers that drop a leading space at the start of a decode (SentencePiece) give the
+    same characters as the whole decode. While a character is unfinished, the returned text ends in U+FFFD.
+
+    Attributes:
+        ids: the token ids pushed.
+        text: the text up to the last complete point (``decode(ids[:complete])``).
+        complete: how many ids ``text`` covers.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, window: int = 4):
+        self.tokenizer, self.skip, self.window = tokenizer, skip_special_tokens, window
+        self.ids: list[int] = []
+        self.text = ""
+        self.complete = 0
+        self._start, self._head = 0, 0  # context start and len(decode(ids[start:complete]))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def push(self, token_id: int) -> str:
+        """Append ``token_id``; returns the whole text so far (ending in U+FFFD inside an unfinished character)."""
+        self.ids.append(int(token_id))
+        n = len(self.ids)
+        part = self._decode(self.ids[self._start:n])
+        tail = part[self._head:]
+        if part.endswith("\ufffd"):
+            return self.text + tail
+        self.text += tail
+        self.complete = n
+        self._start = max(0, n - self.window)
+        self._head = len(self._decode(self.ids[self._start:n]))
+        return self.text
+
+
 class Detokenizer:
     """Push-based text assembly for one request: feed :class:`TokenEvent` s to :meth:`push`, get the text
     pieces that are safe to show, and :meth:`flush` the held-back tail at the end. It applies EOS and stop
@@ -150,6 +192,7 @@ class Detokenizer:
         self.itl: list[float] = []
         self.events: list[dict] = []
         self.text = ""
+        self._decoder = IncrementalDecoder(tokenizer)
         self.emitted = 0
         self.finish: str | None = None
         self.ttft = float("nan")
@@ -171,7 +214,7 @@ class Detokenizer:
             self.finish = "eos"
             return self.flush(), True
         self.ids.append(ev.token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._decoder.push(ev.token_id)
         if params.stop:
             window_start = max(0, self.emitted - max(len(s) for s in params.stop))
             hits = [i for i in (text.find(s, window_start) for s in params.stop) if i >= 0]
@@ -318,9 +361,4 @@ def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool, max_seq_len: 
         ids = encode_text(tokenizer, prompt)  # a prompt that starts with the BOS text gets one BOS, not two
     if len(ids) == 0:
         raise InvalidArgumentError("the prompt encodes to zero tokens")
-    if len(ids) >= max_seq_len:
-        raise ContextLengthError(
-            f"prompt has {len(ids)} tokens but the context size is {max_seq_len} "
-            "(and at least one position is needed to generate); shorten the prompt or raise --ctx-size"
-        )
-    return torch.tensor(ids, dtype=torch.long)
+    return check_prompt_ids(torch.tensor(ids, dtype=torch.long), 0, max_seq_len)

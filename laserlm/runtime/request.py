@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ContextLengthError, InvalidArgumentError
 from .kv_cache import KVCache
 from .sampling import SamplingParams, apply_penalties, make_generator, sample
 
@@ -72,6 +73,35 @@ class Request:
         if constraint is not None:
             constraint.accept(tok)
         return tok
+
+
+def check_prompt_ids(prompt_ids, vocab_size: int, max_seq_len: int) -> torch.Tensor:
+    """The one check of a tokenized prompt, shared by ``generate``, the scheduler and the server: ``[T]`` int64.
+
+    Args:
+        prompt_ids: ``[T]`` or ``[1, T]`` integer token ids (tensor or list).
+        vocab_size: the model's vocabulary (0: unknown, not checked).
+        max_seq_len: the context size; the prompt must leave at least one position to generate.
+
+    Raises:
+        InvalidArgumentError: more than one prompt, non-integer ids, an empty prompt, ids outside the vocabulary.
+        ContextLengthError: the prompt leaves no position to generate.
+    """
+    ids = torch.as_tensor(prompt_ids)
+    if ids.dim() > 1 and not (ids.dim() == 2 and ids.shape[0] == 1):
+        raise InvalidArgumentError(f"one prompt per request: token ids of shape [T] expected, got {list(ids.shape)}")
+    if ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
+        raise InvalidArgumentError(f"token ids must be integers, got {ids.dtype}")
+    ids = ids.to(torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise InvalidArgumentError("empty prompt: at least one token is required")
+    if vocab_size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise InvalidArgumentError(f"token ids must lie in [0, {vocab_size}) for this model's vocabulary, got "
+                                   f"{int(ids.min())} .. {int(ids.max())}")
+    if ids.numel() >= max_seq_len:
+        raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is {max_seq_len} (and at "
+                                 "least one position is needed to generate); shorten the prompt or raise --ctx-size")
+    return ids
 
 
 def new_request(engine, prompt_ids: torch.Tensor, params: SamplingParams, max_tokens: int) -> Request:

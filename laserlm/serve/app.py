@@ -38,7 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..depth.stats import summarize_events
 from ..errors import (ContextLengthError, InvalidArgumentError, LaserLMError, NonFiniteLogitsError, PoolFullError,
                       QueueFullError)
-from ..runtime.generate import Detokenizer, encode_prompt
+from ..runtime.generate import Detokenizer, IncrementalDecoder, encode_prompt
+from ..runtime.request import check_prompt_ids
 from ..runtime.scores import full_depth_logprobs
 from ..runtime.structured import json_constraint
 from .engine import Finished, ServingEngine, TokenBatch
@@ -266,25 +267,14 @@ def text_lengths(tokenizer, ids: list[int], skip_special_tokens: bool = False, w
     """``len(tokenizer.decode(ids[:i]).rstrip("\ufffd"))`` for ``i = 0 .. len(ids)``: where each token's text starts
     in the decoded text (a token inside a character: that character's start), for ``text_offset``.
 
-    Decoding every prefix costs O(n²) (a 3,700-token echo took seconds); this decodes each token with ``window``
-    tokens of context before the last point where the text was complete, as incremental detokenizers do (vLLM's
-    ``detokenize_incrementally``), so the cost is linear and the lengths are those of the whole-prefix decode
-    (context covers tokenizers that strip a leading space at the start of a decode).
+    Decoding every prefix costs O(n²); the :class:`~laserlm.runtime.generate.IncrementalDecoder` of generation
+    gives the same texts in linear time.
     """
-    def dec(part: list[int]) -> str:
-        return tokenizer.decode(part, skip_special_tokens=skip_special_tokens)
-
+    dec = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens, window=window)
     out = [0]
-    k, k_len = 0, 0  # decode(ids[:k]) is complete (no trailing U+FFFD) and has k_len characters
-    p, head = 0, 0  # context start and len(decode(ids[p:k]))
-    for i in range(1, len(ids) + 1):
-        text = dec(ids[p:i])
-        stripped = text.rstrip("\ufffd")
-        out.append(max(k_len, k_len + len(stripped) - head))
-        if len(stripped) == len(text):
-            k, k_len = i, k_len + len(text) - head
-            p = max(0, k - window)
-            head = len(dec(ids[p:k]))
+    for t in ids:
+        text = dec.push(t)
+        out.append(max(len(dec.text), len(text.rstrip("\ufffd"))))
     return out
 
 
@@ -356,13 +346,10 @@ class Server:
                     ids = encode_prompt(self.tokenizer, p, False, self.max_seq_len)
                 else:
                     vocab = int(getattr(self.state.lm.engine.config, "vocab_size", 0) or 0)
-                    if vocab and max(p) >= vocab:
-                        raise bad(f"token ids in 'prompt' must lie in [0, {vocab}) for this model's vocabulary, got "
-                                  f"{max(p)}", "prompt")
-                    ids = torch.tensor(p, dtype=torch.long)
-                    if ids.numel() >= self.max_seq_len:
-                        raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is "
-                                                 f"{self.max_seq_len}")
+                    try:
+                        ids = check_prompt_ids(p, vocab, self.max_seq_len)
+                    except InvalidArgumentError as exc:
+                        raise bad(f"'prompt': {exc}", "prompt") from None
             except LaserLMError as exc:
                 raise _map_error(exc) from None
             except (TypeError, ValueError) as exc:  # text the tokenizer refuses
