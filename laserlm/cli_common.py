@@ -101,7 +101,7 @@ def config_specs(args) -> list[str]:
         if s.startswith(("-", ":")):
             raise LaserLMError(f"bad configuration spec {s!r} (expected NAME[:key=value,...])")
     specs = list(dict.fromkeys(s for s in specs if s))
-    from .modes import MODES  # noqa: PLC0415
+    from .mode_table import MODES  # noqa: PLC0415
     from .runtime.modes import parse_spec  # noqa: PLC0415
 
     for s in specs:  # unknown names and bad attention settings fail here, before the model loads

@@ -27,9 +27,8 @@ written. Otherwise (``adaptive``, or only the options of :data:`ADAPTIVE_PASS_TH
   files (:data:`CHAT_PROMPT_SOURCES`: ARC-Easy/Challenge dev, PIQA valid; never the shipped prompt set, which is
   held out for checking), one 128-token conversation per chunk, and only the answer positions count
   (:mod:`laserlm.training.chat_text`). Why: the certificate is about teacher-forced agreement with the full
-  model's greedy tokens and holds for positions exchangeable with the calibration positions. The earlier default
-  certified on WikiText-2 valid; on the 16 shipped chat prompts it reached 0.969 < 0.99 (benchmarks/RESULTS.md).
-  A statistical certificate still holds only with probability >= 0.9 over the calibration text, and a check on a
+  model's greedy tokens and holds for positions exchangeable with the calibration positions. A threshold
+  certified on WikiText-2 gives less agreement on chat answers. A statistical certificate still holds only with probability >= 0.9 over the calibration text, and a check on a
   few hundred positions (16 prompts x 32 tokens) has its own sampling noise;
 - on any other model it raises :class:`~laserlm.errors.InvalidArgumentError` naming the two ways out: calibrate
   (``laserlm calibrate --model M --output F`` then ``--mode adaptive:laser=F``) or explicit thresholds
@@ -40,7 +39,7 @@ only shape an untrained exit rule, and the calibrated artifact fixes its own gro
 are refused with the same two ways out.
 
 **speculative.** Lossless, so a bad default costs speed, not quality: the built-in defaults (draft with the
-first half of the layers, k=4, no confidence threshold) ran at 0.37x full depth on smollm2-135m. A spec names
+first half of the layers, k=4, no confidence threshold) are slower than full depth on the bundled models. A spec names
 its draft rule when it has any of :data:`SPECULATIVE_RULE_OPTIONS` (``draft_layers``, ``k``, ``threshold``,
 ``auto``, ``laser``, ``draft``). Otherwise (``speculative`` or ``speculative:reuse=...``):
 
@@ -76,20 +75,14 @@ SPECULATIVE_PASS_THROUGH = ("reuse",)
 DEFAULTS_DIR = "defaults"  # under the cache root (laserlm.models.loader.cache_root)
 ADAPTIVE_FILE = "adaptive.laser.safetensors"
 SPECULATIVE_FILE = "speculative.json"
-# default-size calibration: smollm2 with the WikiText recipe measured ~6 min on Zen 4 (AVX512-BF16) and ~13.5 min
-# on Zen 3 (2 idle cores); the chat recipe (its own greedy answers first) took 26 min on Zen 3 at 1 thread under
-# load, so ~15 min on 2 idle cores was the estimate; gemma3 estimated at twice that. Since the complexity predictor
-# is certified under propagate decoding like the gates (2026-12-03) its stage costs about as much as the gates'
-# threshold stage (small-recipe runs: +227 s on 419 s for smollm2, +480 s on ~1080 s for gemma3), so the estimates
-# grow by about half and a third
+# the minutes a default-size calibration of the chat recipe takes on 2 idle cores (printed before building it)
 BUILD_MINUTES = {"smollm2-135m": 22, "gemma3-270m": 40}
 # the calibration text of the adaptive default: the model's own greedy answers to chat prompts drawn from these
 # dev/valid files under the data directory (laserlm.training.chat_text; the shipped prompts stay held out)
 CHAT_PROMPT_SOURCES = ("arc/ARC-Easy-Dev.jsonl", "arc/ARC-Challenge-Dev.jsonl", "piqa/valid.jsonl")
-# the default's recipe, part of its cache key: "chat-v1" = CalibrateConfig(source="chat", seq_len=128) at
-# otherwise default settings (the earlier default calibrated on WikiText-2 valid and had no recipe in its key)
-# "chat-v2" (2026-12-03): the same settings, calibrated with float32 many-row products (a bfloat16 prefill had put a
-# ~3 % disagreement floor under the propagate certificate) and the predictor certified for propagate
+# the default's recipe, part of its cache key (a new recipe rebuilds cached defaults): CalibrateConfig(source="chat",
+# seq_len=128) at otherwise default settings, calibrated with float32 many-row products and the predictor
+# certified for the propagate bridge
 ADAPTIVE_RECIPE = "chat-v2"
 
 __all__ = ["ADAPTIVE_PASS_THROUGH", "ADAPTIVE_RULE_OPTIONS", "SPECULATIVE_PASS_THROUGH", "SPECULATIVE_RULE_OPTIONS",

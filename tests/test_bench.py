@@ -13,7 +13,7 @@ from laserlm.bench.measure import GEN_PROMPT, Samples, mean_std, percentile, sum
 from laserlm.bench.report import plot, quality_metric
 from laserlm.cli import main
 from laserlm.errors import InvalidArgumentError
-from laserlm.modes import register_mode
+from laserlm.mode_table import register_mode
 from laserlm.runtime.modes import FullDepth
 
 

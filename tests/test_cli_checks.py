@@ -111,7 +111,7 @@ def test_chat_template_detection_agrees_with_transformers(smol, tmp_path):
 # -- 4. speculative auto announces its search -------------------------------------------------------
 def test_speculative_auto_announces_the_search(smol, monkeypatch, capsys, one_torch_thread):
     from laserlm.speculative import calibration as cal
-    from laserlm.modes import make_mode
+    from laserlm.mode_table import make_mode
 
     monkeypatch.setattr(cal, "calibrate", functools.partial(cal.calibrate, gen_tokens=3, n_text=1))
     capsys.readouterr()

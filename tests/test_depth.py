@@ -13,7 +13,7 @@ from laserlm.depth import (AdaptiveDepth, Confidence, ExitHead, LaserArtifact, N
 from laserlm.depth.policies import ExitPolicy
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 from laserlm.runtime.loop import generate_tokens
 
 PROMPT = "The quick brown fox jumps over the lazy dog. It was a sunny day and"

@@ -59,7 +59,7 @@ def test_greedy_equals_full_depth_tiny(one_thread, trained):
     full = [e.token_id for e in generate_tokens(eng, SpeculativeDecoding(3, draft="ngram", adaptive=False),
                                                 prompt, SamplingParams(max_new_tokens=30, ignore_eos=True), 30)]
     eng2 = Engine(eng.model, max_seq_len=64)
-    from laserlm.modes import make_mode  # noqa: PLC0415
+    from laserlm.mode_table import make_mode  # noqa: PLC0415
 
     ref = [e.token_id for e in generate_tokens(eng2, make_mode("full", eng2), prompt,
                                                SamplingParams(max_new_tokens=30, ignore_eos=True), 30)]
@@ -125,7 +125,7 @@ def test_head_options_need_draft_head(one_thread, trained):
     eng, _, _ = trained
     with pytest.raises(InvalidArgumentError, match="draft head"):
         SpeculativeDecoding(3, draft="head")
-    from laserlm.modes import make_mode  # noqa: PLC0415
+    from laserlm.mode_table import make_mode  # noqa: PLC0415
 
     with pytest.raises(InvalidArgumentError, match="head"):
         make_mode("speculative:draft=ngram,head_threshold=0.5", eng)

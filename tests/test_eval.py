@@ -17,7 +17,7 @@ from laserlm.errors import InvalidArgumentError, LaserLMError
 from laserlm.evaluation import data as D
 from laserlm.evaluation.scoring import Scorer, encode_pair
 from laserlm.evaluation.tasks import EvalSettings, Evaluator, text_windows
-from laserlm.modes import register_mode
+from laserlm.mode_table import register_mode
 from laserlm.runtime.modes import FullDepth, Mode, ScoreOutput
 from laserlm.models.loader import reference_dir
 
@@ -329,7 +329,7 @@ def test_lmeval_harness_runs_a_local_task(smol, tmp_path, monkeypatch):
 
 
 def test_attention_part_of_a_configuration(smol, smol_ref):
-    from laserlm.modes import split_config
+    from laserlm.mode_table import split_config
 
     assert split_config("adaptive:a=1,b=2@sparse:threshold=0.5") == ("adaptive:a=1,b=2", "sparse:threshold=0.5")
     assert split_config("full") == ("full", None)

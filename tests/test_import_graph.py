@@ -11,10 +11,10 @@ counted on their own). Layers, bottom first (a module may import its own layer a
 | 1 | models | ``laserlm.models.*`` |
 | 2 | runtime | ``laserlm.runtime.*`` |
 | 3 | modes | ``laserlm.depth.*``, ``laserlm.speculative.*``, ``laserlm.attention.*`` |
-| 4 | registry | ``laserlm.modes`` (the table of named modes) |
+| 4 | registry | ``laserlm.mode_table`` (the table of named modes) |
 | 5 | api | ``laserlm`` (package root), ``laserlm.api``, ``laserlm.defaults`` (calibrated defaults of bare mode specs) |
 | 6 | tool helpers | ``laserlm.cli_common`` (CLI helpers shared by the tools' subcommands and the CLI), ``laserlm.reports`` (report helpers of ``eval`` and ``bench``) |
-| 7 | tools | ``laserlm.training.*``, ``laserlm.evaluation.*``, ``laserlm.bench.*``, ``laserlm.profiling.*``, ``laserlm.serve.*``, ``laserlm.export.*``, ``laserlm.precision.*`` |
+| 7 | tools | ``laserlm.training.*``, ``laserlm.evaluation.*``, ``laserlm.bench.*``, ``laserlm.profiling.*``, ``laserlm.serve.*``, ``laserlm.export.*`` |
 | 8 | cli | ``laserlm.cli`` |
 
 Within a layer, packages are siblings and may not import each other (depth, speculative and attention; training,
@@ -23,7 +23,7 @@ speculative draft can be a calibrated exit head read from a laser file; depth ne
 ``laserlm -> laserlm.api`` (the package root re-exports the API), ``laserlm.data -> laserlm.errors`` (the data
 resolver raises ``DataFileError``), ``laserlm.api -> laserlm.defaults`` (``LaserLM.mode`` resolves bare
 ``adaptive`` / ``speculative`` specs). What tools shared moved below them: the
-configuration syntax (``MODE[@ATTENTION]``) to ``laserlm.modes``, report helpers to ``laserlm.reports``. The api sits below the tools because tools drive a
+configuration syntax (``MODE[@ATTENTION]``) to ``laserlm.mode_table``, report helpers to ``laserlm.reports``. The api sits below the tools because tools drive a
 ``LaserLM`` (e.g. the lm-eval adapter calls ``laserlm.load``).
 
 On top of the ranks, the module graph must be acyclic: every strongly connected component (Tarjan) has one
@@ -44,18 +44,17 @@ LAYERS = [  # (rank, layer name, package prefixes or exact module names)
     (1, "models", ("laserlm.models",)),
     (2, "runtime", ("laserlm.runtime",)),
     (3, "modes", ("laserlm.depth", "laserlm.speculative", "laserlm.attention")),
-    (4, "registry", ("laserlm.modes",)),
+    (4, "registry", ("laserlm.mode_table",)),
     (5, "api", ("laserlm", "laserlm.api", "laserlm.defaults")),
     (6, "tool helpers", ("laserlm.cli_common", "laserlm.reports")),
     (7, "tools", ("laserlm.training", "laserlm.evaluation", "laserlm.bench", "laserlm.profiling",
-                  "laserlm.serve", "laserlm.export", "laserlm.precision")),
+                  "laserlm.serve", "laserlm.export")),
     (8, "cli", ("laserlm.cli",)),
 ]
 # sibling packages of one layer that may import the other (from, to); keep minimal and acyclic
 ALLOWED_SIBLING_EDGES = {("laserlm.speculative", "laserlm.depth"), ("laserlm", "laserlm.api"),
                          ("laserlm.data", "laserlm.errors"),  # the data resolver raises DataFileError
-                         ("laserlm.api", "laserlm.defaults"),
-                         ("laserlm.profiling", "laserlm.precision")}  # `profile --precision` dispatches there
+                         ("laserlm.api", "laserlm.defaults")}
 
 
 def module_names(root: Path = ROOT) -> dict[str, Path]:
@@ -173,7 +172,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_every_import_points_down_and_modes_and_tools_stay_apart():
     graph = import_graph()
-    assert "laserlm.runtime.engine" in graph and "laserlm.modes" in graph  # the walk found the package
+    assert "laserlm.runtime.engine" in graph and "laserlm.mode_table" in graph  # the walk found the package
     found = violations(graph)
     assert not found, "layering violations:\n" + "\n".join(found)
 

@@ -14,7 +14,7 @@ import torch
 from laserlm.depth import ExitGate, ExitHead, LaserArtifact, make_adaptive, save_laser_file
 from laserlm.errors import ContextLengthError, CorruptModelError, InvalidArgumentError, ModelNotFoundError
 from laserlm.export.onnx import export_onnx
-from laserlm.export.runtime import OnnxCache, OnnxModel, make_onnx_mode, read_manifest
+from laserlm.export.ort_backend import OnnxCache, OnnxModel, make_onnx_mode, read_manifest
 from laserlm.export.tensorrt import batch_bounds, write_profile
 from laserlm.runtime.engine import Engine
 

@@ -17,7 +17,7 @@ import torch
 from laserlm.errors import InvalidArgumentError
 from laserlm.export.onnx import export_onnx
 from laserlm.export.quantize import nbits_arrays, quantize_graph
-from laserlm.export.runtime import OnnxModel, make_onnx_mode
+from laserlm.export.ort_backend import OnnxModel, make_onnx_mode
 from laserlm.models import quant
 from laserlm.models.packing import pack_model
 from laserlm.runtime.engine import Engine

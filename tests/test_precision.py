@@ -110,7 +110,7 @@ def test_range_monitor_records_each_layer_output():
 
 
 def test_precision_profile_names_the_overflowing_layer():
-    from laserlm.precision.profile import format_report, precision_profile
+    from laserlm.profiling.precision import format_report, precision_profile
 
     eng = Engine(hot_model(), max_seq_len=64)
     rep = precision_profile(eng, IDS[0], top=3)
@@ -146,7 +146,7 @@ def test_generate_monitor_ranges_json(smol, capsys):
 def test_adaptive_propagate_under_the_float16_guard_matches_float32():
     """Exits after the overflowing layer hand a float32 hidden state to the propagate bridge and the exit head."""
     from laserlm.depth import ExitHead
-    from laserlm.modes import make_mode
+    from laserlm.mode_table import make_mode
 
     m = hot_model()
     spec = "adaptive:groups=2,min_depth=4,threshold=0.0,patience=0,bridge=propagate"

@@ -10,7 +10,7 @@ import torch
 from laserlm.depth.groups import make_groups
 from laserlm.depth.policies import PredictorPolicy, make_policy
 from laserlm.depth.predictor import ComplexityPredictor, exit_index, window_ids
-from laserlm.depth.scheduler import AdaptiveDepth
+from laserlm.depth.adaptive import AdaptiveDepth
 from laserlm.errors import InvalidArgumentError
 from laserlm.training.predictor import (PredictorInputs, certify_predictor, held_out_report, oracle_depth,
                                         sequential_decisions, train_predictor, PredictorTrainConfig)
@@ -291,7 +291,7 @@ def test_a_threshold_of_one_runs_the_plain_full_depth_path(policy, monkeypatch):
     depth's."""
     from laserlm.depth import ExitGate
     from laserlm.depth.policies import AllOf, GatePolicy
-    from laserlm.modes import make_mode
+    from laserlm.mode_table import make_mode
     from laserlm.runtime.loop import SamplingParams, generate_tokens
 
     eng = tiny_engine(seed=14)

@@ -9,7 +9,7 @@ import torch
 
 from laserlm.errors import ContextLengthError, InvalidArgumentError
 from laserlm.runtime.loop import advance, generate_tokens, start
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 from laserlm.runtime.request import new_request
 from laserlm.runtime.sampling import SamplingParams
 

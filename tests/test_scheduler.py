@@ -12,7 +12,7 @@ from test_kv_pool import tiny_gemma3, tiny_llama
 
 from laserlm.depth import AdaptiveDepth  # noqa: F401  (the adaptive mode is built through make_mode)
 from laserlm.errors import ContextLengthError, InvalidArgumentError, PoolFullError
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 from laserlm.runtime.loop import generate_tokens
 from laserlm.runtime.modes import FullDepth
 from laserlm.runtime.sampling import SamplingParams

@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from helpers import chi2_sf
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime import Engine
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 from laserlm.runtime.loop import generate_tokens
 from laserlm.runtime.sampling import SamplingParams, probabilities
 from laserlm.speculative import SpeculativeDecoding

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from laserlm.errors import InvalidArgumentError
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 from laserlm.runtime import Engine
 from laserlm.runtime.loop import generate_tokens
 from laserlm.runtime.sampling import SamplingParams, probabilities

@@ -6,7 +6,7 @@ of ``R`` pairs; for each chunk the selected key/value blocks are gathered into a
 padding small) and one batched PyTorch SDPA call computes exact softmax attention
 over them; the boolean mask of the gathered blocks (causal inside the diagonal block, sliding windows,
 KV holes, padding) is gathered from the engine's ``[T, S]`` mask. Unselected blocks are never read.
-Chosen over FlexAttention + BlockMask after measuring both (``benchmarks/results_sparse.md``).
+Chosen over FlexAttention + BlockMask, which was slower on CPU.
 
 Source: seed 004 (progressive block attention); gather-based block-sparse attention as in MoBA /
 MInference's block-sparse kernels.

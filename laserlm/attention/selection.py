@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError
+from ..runtime.options import is_int
 
 RULES = ("threshold", "mass")
 
@@ -61,7 +62,7 @@ class SparseConfig:
 
     Attributes:
         block_size: positions per block (query and key blocks); a positive integer. Default 64
-            (measured on this CPU, see ``benchmarks/results_sparse.md``).
+            (large enough that a block's gather and SDPA call amortize, small enough to skip context).
         rule: ``"threshold"`` or ``"mass"`` (see module docstring).
         threshold: coefficient ``c`` of the seed's threshold ``c / sqrt(d_k) * log(n)``; ``>= 0``, ``inf``
             keeps every block. Default 0.5 (the seed's).
@@ -92,7 +93,7 @@ class SparseConfig:
     min_blocks: int = 4
 
     def validate(self) -> SparseConfig:
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or self.block_size < 1:
+        if not is_int(self.block_size) or self.block_size < 1:
             raise InvalidArgumentError(f"block size must be a positive integer, got {self.block_size!r}")
         if self.rule not in RULES:
             raise InvalidArgumentError(f"unknown sparse rule {self.rule!r}; expected one of {', '.join(RULES)}")

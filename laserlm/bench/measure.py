@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..modes import make_mode
+from ..mode_table import make_mode
 from ..runtime.loop import generate_tokens
 from ..runtime.sampling import SamplingParams
 
@@ -134,7 +134,7 @@ class EngineTarget(_TokenTarget):
     """A laserlm decoding mode on the shared engine, measured through ``mode.tokens``."""
 
     def __init__(self, lm, spec: str):
-        from ..modes import config_kernel, split_config  # noqa: PLC0415
+        from ..mode_table import config_kernel, split_config  # noqa: PLC0415
 
         self.lm, self.name = lm, spec
         self.kernel = config_kernel(lm.engine, spec)
@@ -154,7 +154,7 @@ class EngineTarget(_TokenTarget):
 
 
 class OnnxTarget(_TokenTarget):
-    """A mode (``full`` / ``adaptive[...]``) of an ONNX export on onnxruntime (:mod:`laserlm.export.runtime`),
+    """A mode (``full`` / ``adaptive[...]``) of an ONNX export on onnxruntime (:mod:`laserlm.export.ort_backend`),
     measured through the decoder's token source (the same loop as ``generate --backend onnxruntime``)."""
 
     def __init__(self, decoder, name: str, weights: str):

@@ -1,4 +1,4 @@
-"""Random-weight checkpoints with the exact configs of the 1B–8B models users run (issue 34).
+"""Random-weight checkpoints with the exact configs of the 1B–8B models users run.
 
 Speed and memory do not depend on the values of the weights, and correctness against transformers can be checked on
 random weights of the real architecture, so these stand in for the real checkpoints where no model hub is reachable.

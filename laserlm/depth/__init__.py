@@ -1,7 +1,7 @@
-"""Adaptive depth: layer groups, exit policies, exit heads/gates, bridges, the adaptive scheduler, and the
+"""Adaptive depth: layer groups, exit policies, exit heads/gates, bridges, the adaptive mode, and the
 static baselines (ShortGPT pruning, naive early exit).
 
-Its three decoding-mode factories (named in :mod:`laserlm.modes`):
+Its three decoding-mode factories (named in :mod:`laserlm.mode_table`):
 
 - ``adaptive:groups=5,policy=confidence,threshold=0.9,measure=max,min_depth=8,patience=3,bridge=propagate``
   (other options: ``saturation_threshold``, ``ats_threshold``, ``ats_layer``, ``gate_threshold``,
@@ -29,7 +29,7 @@ from .policies import (AllOf, AnyOf, AttentionTransition, BatchPoint, Compensati
                        GatePolicy, Never, Saturation, make_policy)
 from .pruning import LayerSubset, block_influence, pruned_layers
 from .router import DynamicRouter
-from .scheduler import AdaptiveDepth
+from .adaptive import AdaptiveDepth
 
 __all__ = ["AdaptiveDepth", "AdaptiveOptions", "AllOf", "AnyOf", "AttentionTransition", "BRIDGES", "Compensation",
            "Confidence", "BatchPoint", "DEFAULT_BRIDGE", "DynamicRouter", "EarlyExitOptions", "ExitGate", "ExitHead",
@@ -106,7 +106,7 @@ def _given(value, default):
 def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int) -> tuple:
     """``(groups, policy, bridge name, patience, ats_layer)`` of mode ``adaptive`` from its parsed options ``o``
     and a laser artifact ``art`` (or ``None``): a given option wins, else the file's value, else the default.
-    Shared by :func:`make_adaptive` and the onnxruntime backend (:mod:`laserlm.export.runtime`), so both run the
+    Shared by :func:`make_adaptive` and the onnxruntime backend (:mod:`laserlm.export.ort_backend`), so both run the
     same exit rule.
 
     Raises:

@@ -40,6 +40,7 @@ from .groups import LayerGroups
 from .policies import ExitPolicy, PredictorPolicy, find_predictor, transition_score
 from .stats import summarize_events
 from .walk import PatienceState, WalkResult, update_patience, walk_groups
+from ..runtime.options import is_int
 
 ROUTER_PROMPT = 64  # tokens the router sees when scoring a sequence teacher-forced (calibration's prompt length)
 
@@ -104,7 +105,7 @@ class AdaptiveDepth(Mode):
         self.router = router
         self.policy = policy
         self.bridge: Bridge = make_bridge(bridge) if isinstance(bridge, str) else bridge
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+        if not is_int(patience) or patience < 0:
             raise InvalidArgumentError(f"patience must be a non-negative integer, got {patience!r}")
         self.patience = patience
         self.heads = dict(heads or {})

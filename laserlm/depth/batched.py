@@ -1,11 +1,11 @@
 """Batched teacher-forced scoring of adaptive depth with the ``propagate`` bridge (evaluation, calibration).
 
-:meth:`AdaptiveDepth.score <laserlm.depth.scheduler.AdaptiveDepth.score>` with ``bridge=propagate`` decodes one
+:meth:`AdaptiveDepth.score <laserlm.depth.adaptive.AdaptiveDepth.score>` with ``bridge=propagate`` decodes one
 token at a time, because a token's hidden states depend on the K/V that earlier tokens' *exits* left in the
 cache. This module decodes ``B`` sequences side by side instead (one position per step, all rows at once),
-each row making its own exit decisions with the same policy objects the scheduler calls:
+each row making its own exit decisions with the same policy objects the adaptive mode calls:
 
-- the rows walk the layer groups together through the scheduler's own walk
+- the rows walk the layer groups together through the adaptive mode's own walk
   (:func:`~laserlm.depth.walk.walk_groups`): at every exit point the policy decides for all rows still running at
   once (the exit head runs once for all those rows, and only if the policy reads it);
 - a row that exits is *frozen*: its hidden state stays the exit state, and every later layer still runs on
@@ -15,10 +15,10 @@ each row making its own exit decisions with the same policy objects the schedule
   discarded; the row's logits come from the exit head at its exit layer.
 
 Every row therefore costs full depth here: this is a faithful *simulation* of the per-token decisions for
-scoring many positions quickly, not a fast decoding path. Results equal the one-token-at-a-time scheduler
+scoring many positions quickly, not a fast decoding path. Results equal the one-token-at-a-time adaptive mode
 up to float rounding of batched matmuls (tested against it). Position 0 of each sequence runs at full depth
-(the scheduler's prefill), and patience must be 0 (the patience rule couples consecutive tokens of one
-sequence; use the sequential scheduler for it).
+(the adaptive mode's prefill), and patience must be 0 (the patience rule couples consecutive tokens of one
+sequence; use the sequential adaptive mode for it).
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def supports_batched_score(mode) -> bool:
 @torch.inference_mode()
 def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
     """Score ``seqs`` (token-id lists, each of length >= 1) under ``mode`` (an
-    :class:`~laserlm.depth.scheduler.AdaptiveDepth` with ``bridge=propagate``, ``patience=0``), all at once.
+    :class:`~laserlm.depth.adaptive.AdaptiveDepth` with ``bridge=propagate``, ``patience=0``), all at once.
 
     Sequences are right-padded; a row's padding comes after its real tokens, so with causal attention it never
     affects them. Memory: one KV cache of ``len(seqs)`` rows x the longest sequence.
 
     With a complexity predictor in the policy (seed 000 §2.1), each row keeps its own predictor state, as the
-    scheduler keeps it per request: the embeddings of its last ``context`` tokens, the ATS its previous token got
+    adaptive mode keeps it per request: the embeddings of its last ``context`` tokens, the ATS its previous token got
     and that token's exit depth; the prediction is made before the token's first layer.
 
     Raises:
@@ -104,7 +104,7 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
     layers = torch.full((n_rows, t_max), float(L))
     prev = [None]  # the previous position's ATS-layer attention probs [B, H, S]
     pred = getattr(mode, "predictor", None)
-    if pred is not None:  # per-row predictor state (DepthState.recent / last_ats / prev_exit of the scheduler)
+    if pred is not None:  # per-row predictor state (DepthState.recent / last_ats / prev_exit of the adaptive mode)
         from .predictor import predictor_scalars, window_embeddings, window_ids  # noqa: PLC0415
 
         windows = torch.stack([window_ids(ids[r], pred.context) for r in range(n_rows)])  # [B, T, k + 1]

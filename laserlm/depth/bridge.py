@@ -6,7 +6,7 @@
   per skipped layer instead of a whole layer.
 - :class:`DeferredBridge` (FREE, Bae et al. 2023; EE-LLM, Chen et al. 2024): the skipped layers of a token are
   run later, batched with the next token's forward from the exit layer on, so the cache becomes exact.
-  The scheduler (:mod:`laserlm.depth.scheduler`) does the batching; the pending token is kept in the
+  The adaptive mode (:mod:`laserlm.depth.adaptive`) does the batching; the pending token is kept in the
   request's state.
 - :class:`NoneBridge` (D-LLM, Jiang et al. 2024): the slot stays empty and is masked at the skipped layers
   through ``AttentionContext.key_valid``. On the paged KV pool a page whose positions all skipped its layer is
@@ -56,9 +56,9 @@ def project_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class Bridge:
-    """Base class (stateless). The scheduler calls :meth:`configure` after each ``Engine.begin`` of a token and
+    """Base class (stateless). The adaptive mode calls :meth:`configure` after each ``Engine.begin`` of a token and
     :meth:`on_exit` when the token stops after ``layer`` layers; ``rs`` is the request's
-    :class:`~laserlm.depth.scheduler.DepthState` (where a bridge keeps what it needs across tokens)."""
+    :class:`~laserlm.depth.adaptive.DepthState` (where a bridge keeps what it needs across tokens)."""
 
     name = "?"
 
@@ -121,7 +121,7 @@ class PendingToken:
 
 
 class DeferredBridge(Bridge):
-    """Keep the exited token pending (``rs.pending``); the scheduler runs its remaining layers with the next
+    """Keep the exited token pending (``rs.pending``); the adaptive mode runs its remaining layers with the next
     token's forward."""
 
     name = "deferred"

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import InvalidArgumentError
+from ..runtime.options import is_int
 
 DEFAULT_GROUP_SIZE = 5
 
@@ -153,6 +154,6 @@ def make_groups(spec=None, num_layers: int = 0, min_depth: int | None = None) ->
     _check_bounds(bounds, num_layers)
     if min_depth is None:
         min_depth = default_min_depth(num_layers)
-    if isinstance(min_depth, bool) or not isinstance(min_depth, int) or not 0 <= min_depth <= num_layers:
+    if not is_int(min_depth) or not 0 <= min_depth <= num_layers:
         raise InvalidArgumentError(f"min depth must be an integer in 0-{num_layers} layers, got {min_depth!r}")
     return LayerGroups(tuple(bounds), num_layers, min_depth)

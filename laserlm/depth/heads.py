@@ -126,7 +126,7 @@ class ExitGate(nn.Module):
     Args:
         hidden_size: d.
         num_scalars: length of :func:`gate_scalars_batch` for ``features`` (6 for ``head``, 3 for ``state``).
-        uses_ats: whether the gate was trained with the ATS feature (the scheduler then measures it).
+        uses_ats: whether the gate was trained with the ATS feature (the adaptive mode then measures it).
         features: ``"head"`` (exit-head confidence features; every check evaluates the exit head) or ``"state"``
             (hidden-state features only; cheap checks). See :data:`GATE_FEATURES`.
 

@@ -32,7 +32,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
 from ..models.weights_hash import weights_sha256

@@ -2,7 +2,7 @@
 
 A policy decides for a batch of tokens at once: :meth:`ExitPolicy.decide_batch` gets a :class:`BatchPoint`
 (what is known about ``n`` tokens after a layer group) and returns ``[n]`` bool (True: exit). One token is a
-batch of one: the scheduler's decoding, replayed scoring and batched scoring all call the same rule
+batch of one: the adaptive mode's decoding, replayed scoring and batched scoring all call the same rule
 (:mod:`laserlm.depth.walk`). Policies compose with :class:`AllOf` / :class:`AnyOf`. Sources:
 
 - :class:`Confidence`: softmax max probability, top-2 margin or entropy of the exit head's distribution
@@ -18,7 +18,7 @@ batch of one: the scheduler's decoding, replayed scoring and batched scoring all
   threshold across the exit group (relative L2 change), run the next group instead of exiting.
 
 The *patience rule* and *min depth* are properties of the schedule across tokens, not of one exit point:
-see :mod:`laserlm.depth.scheduler` and :mod:`laserlm.depth.groups`.
+see :mod:`laserlm.depth.adaptive` and :mod:`laserlm.depth.groups`.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class ExitPolicy:
     """Base class: ``decide_batch(points) -> [n]`` bool (True: exit here).
 
     Attributes:
-        needs_ats: the policy reads :attr:`BatchPoint.ats` (the scheduler then records attention probs).
+        needs_ats: the policy reads :attr:`BatchPoint.ats` (the adaptive mode then records attention probs).
     """
 
     needs_ats = False
@@ -114,7 +114,7 @@ class ExitPolicy:
     @property
     def never_exits(self) -> bool:
         """True when no input can make this policy exit (e.g. a probability threshold of 1: a certified threshold
-        of 1.0 means "never exit"); the scheduler then runs the plain full-depth path, without checks."""
+        of 1.0 means "never exit"); the adaptive mode then runs the plain full-depth path, without checks."""
         return False
 
     def decide_batch(self, points: BatchPoint) -> torch.Tensor:  # pragma: no cover - interface
@@ -181,7 +181,7 @@ def transition_score(prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:
 class AttentionTransition(ExitPolicy):
     """Allow exit when the attention transition score ``>= threshold`` (seed: ATS < 0.7 -> go deeper).
 
-    The ATS is measured by the scheduler at one layer below the first exit point, in the same attention
+    The ATS is measured by the adaptive mode at one layer below the first exit point, in the same attention
     pass (``AttentionContext.want_probs``). Threshold in [0, 1].
     """
 
@@ -255,7 +255,7 @@ class PredictorPolicy(ExitPolicy):
     Args:
         predictor: a :class:`~laserlm.depth.predictor.ComplexityPredictor` (``exit_points``, ``uses_ats``).
 
-    The probabilities come from :attr:`BatchPoint.predicted`, computed by the scheduler before the token's first
+    The probabilities come from :attr:`BatchPoint.predicted`, computed by the adaptive mode before the token's first
     layer (seed 000 §2.1), so the decision never depends on the token's own layer outputs.
 
     Raises:
@@ -271,7 +271,7 @@ class PredictorPolicy(ExitPolicy):
 
     def decide_batch(self, points):
         if points.predicted is None:
-            raise InvalidArgumentError("policy 'predictor' needs the scheduler's pre-layer prediction (adaptive "
+            raise InvalidArgumentError("policy 'predictor' needs the adaptive mode's pre-layer prediction (adaptive "
                                        "decoding or replay scoring); this path does not provide it")
         if points.layer not in self.predictor.exit_points:
             return torch.zeros(len(points), dtype=torch.bool)

@@ -5,7 +5,7 @@ before it, plus two scalars about the previous token — its attention transitio
 "go deeper") and its exit depth as a fraction of the layers — outputs one logit per exit point:
 ``sigmoid(logit_e)`` estimates P(stopping at exit point ``e`` keeps the full model's top-1). The decision rule is
 the gates': a token stops at the first allowed exit point whose probability exceeds the threshold, so the
-route is known before the first layer runs (the scheduler can plan it) and the threshold is certified the same
+route is known before the first layer runs (the adaptive mode can plan it) and the threshold is certified the same
 way (Learn-then-Test on the calibration split; see :mod:`laserlm.training.predictor`).
 
 Inputs never include the current token's own layer outputs: only its embedding, earlier tokens' embeddings,

@@ -3,7 +3,7 @@
 After the first decoder layer, a linear classifier on the mean-pooled hidden state of the prompt picks
 a route ``r``: the request runs the first ``r`` exit points' worth of layers and reads every token
 from the exit head there (``r = E``: full depth). This module is the inference side (the router and
-:func:`pooled_first_layer`, used by :class:`~laserlm.depth.scheduler.AdaptiveDepth` with ``router=1``); the
+:func:`pooled_first_layer`, used by :class:`~laserlm.depth.adaptive.AdaptiveDepth` with ``router=1``); the
 labels and the training live in :mod:`laserlm.training.router`. The router is stored in the laser file
 (:mod:`laserlm.depth.laser_file`).
 """

@@ -12,7 +12,7 @@ scheduler on the way:
 
 How the layers run is the caller's: a callback ``run_group(g, a, b, exited) -> (hidden_in, hidden, ats)`` runs
 (or looks up) decoder layers ``a .. b-1`` for the rows. Decoding calls the walk with one row per token
-(:mod:`laserlm.depth.scheduler`, a single token is a batch of one), replayed scoring with one row per position
+(:mod:`laserlm.depth.adaptive`, a single token is a batch of one), replayed scoring with one row per position
 over precomputed states, and batched scoring (:mod:`laserlm.depth.batched`) with one row per sequence. The
 patience streak across tokens is :func:`update_patience`'s.
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import LaserLMError
-from ..modes import config_kernel, make_mode, split_config
+from ..mode_table import config_kernel, make_mode, split_config
 from ..runtime.modes import FullDepth
 from ..runtime.scores import SequenceScore, check_score_length, target_scores
 

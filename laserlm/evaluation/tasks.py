@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError, LaserLMError
-from ..modes import make_mode
+from ..mode_table import make_mode
 from .data import ChoiceItem, load_task
 from .scoring import Scorer, encode_pair
 

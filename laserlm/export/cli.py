@@ -184,7 +184,7 @@ def open_decoders(dirs: list[str], specs: list[str], args):
         check_onnx_args(args)
     import torch  # noqa: PLC0415
 
-    from .runtime import OnnxModel, make_onnx_mode  # noqa: PLC0415
+    from .ort_backend import OnnxModel, make_onnx_mode  # noqa: PLC0415
     from .scoring import load_tokenizer  # noqa: PLC0415
 
     decoders, notes, source = [], [], None

@@ -20,7 +20,7 @@ Dynamic axes: ``batch``, ``new_tokens``, ``past``. The declared bounds are in th
 1..max_batch, new_tokens >= 1, past >= 0, past + new_tokens <= max_len (the rotary tables in the graphs cover
 ``max_len`` positions). Activations are float32. Weights are float32 (the exactness reference), or, with
 ``weights=`` a packed model (``--weights native|int4|int8``), the same Q4_1 / Q8_0 blocks as the PyTorch engine's in
-onnxruntime's ``MatMulNBits`` (:mod:`laserlm.export.quantize`; reduced-precision activations: :mod:`laserlm.precision`).
+onnxruntime's ``MatMulNBits`` (:mod:`laserlm.export.quantize`; reduced-precision activations: :mod:`laserlm.profiling.precision`).
 
 Raises (from :func:`export_onnx`): :class:`~laserlm.errors.InvalidArgumentError` for bad groups or bounds, a
 non-float32 or packed model, an output path that is a file. Files of an earlier export in the directory are
@@ -40,6 +40,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from . import graphs as G
+from ..runtime.options import is_int
 
 OPSET = 13
 MANIFEST = "manifest.json"
@@ -109,7 +110,7 @@ def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, ma
     max_len = engine.max_seq_len if max_len is None else int(max_len)
     if not 2 <= max_len <= engine.max_seq_len:
         raise InvalidArgumentError(f"--max-len must be in 2-{engine.max_seq_len} (the context size), got {max_len}")
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+    if not is_int(max_batch) or max_batch < 1:
         raise InvalidArgumentError(f"--max-batch must be a positive integer, got {max_batch!r}")
     if packed is not None:  # before the export, which takes seconds to minutes
         _check_packed(engine, packed, accuracy_level)

@@ -5,8 +5,7 @@
 onnxruntime's contrib operator ``com.microsoft.MatMulNBits`` holding *the same blocks* the PyTorch engine runs
 with that ``--weights`` (:mod:`laserlm.models.packing`): the GGUF file's own ``Q4_1`` / ``Q8_0`` tensors for
 ``native``, laserlm's round-to-nearest ones for ``int4`` / ``int8``. Nothing is re-quantized (onnxruntime's own
-``MatMulNBitsQuantizer`` re-quantizes the dequantized float weights and, on SmolLM2's Q4_1 file, raised WikiText-2
-perplexity from 20.4 to 26.1; RESULTS.md).
+``MatMulNBitsQuantizer`` re-quantizes the dequantized float weights, a second rounding that raises perplexity noticeably).
 
 Mapping (``W [N, K]``, blocks of 32 along K, ``nb = K / 32``):
 

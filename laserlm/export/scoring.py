@@ -10,7 +10,7 @@ evaluator uses on :class:`laserlm.evaluation.scoring.Scorer` (``score``, ``logit
   export's max batch of sequences are right-padded into one call (padding after a row's last token cannot change
   the causal attention of its earlier positions).
 - Adaptive depth: teacher-forced like the engine's ``AdaptiveDepth.score``: position 0 is a one-token prefill at
-  full depth, every later token one :meth:`~laserlm.export.runtime.OnnxDecoder.step` (exit decisions, patience and
+  full depth, every later token one :meth:`~laserlm.export.ort_backend.OnnxDecoder.step` (exit decisions, patience and
   the propagate bridge as in generation); the layers per position are the exit layers.
 """
 
@@ -21,14 +21,14 @@ import torch
 
 from ..errors import CorruptModelError, InvalidArgumentError
 from ..runtime.scores import SequenceScore, check_score_length, target_scores
-from .runtime import OnnxCache, OnnxDecoder, OnnxModel, make_onnx_mode
+from .ort_backend import OnnxCache, OnnxDecoder, OnnxModel, make_onnx_mode
 
 
 class OnnxScorer:
-    """Scores token sequences with one :class:`~laserlm.export.runtime.OnnxDecoder` (full or adaptive depth).
+    """Scores token sequences with one :class:`~laserlm.export.ort_backend.OnnxDecoder` (full or adaptive depth).
 
     Args:
-        decoder: from :func:`~laserlm.export.runtime.make_onnx_mode`.
+        decoder: from :func:`~laserlm.export.ort_backend.make_onnx_mode`.
 
     Attributes:
         mode: the decoder (what :meth:`OnnxLM.generate` takes as ``mode``).
@@ -108,7 +108,7 @@ class OnnxLM:
         path: the directory written by ``laserlm export onnx``.
         threads: onnxruntime intra-op threads (default: onnxruntime's).
 
-    Attributes: ``model`` (:class:`~laserlm.export.runtime.OnnxModel`), ``tokenizer``, ``eos_ids``,
+    Attributes: ``model`` (:class:`~laserlm.export.ort_backend.OnnxModel`), ``tokenizer``, ``eos_ids``,
     ``max_seq_len`` (the export's max length), ``weights`` (the manifest's: ``fp32``, or the blocks of a quantized
     export), ``dtype`` (of the activations: ``float32``), ``threads``.
 

@@ -15,13 +15,14 @@ import math
 from pathlib import Path
 
 from ..errors import CorruptModelError, InvalidArgumentError
+from ..runtime.options import is_int
 
 PROFILE = "tensorrt_profile.json"
 
 
 def batch_bounds(peak_concurrency: int) -> tuple[int, int, int]:
     """``(min, opt, max)`` batch for ``peak_concurrency`` requests: ``(1, peak, ceil(1.2 * peak))`` (seed 004 §3.1)."""
-    if isinstance(peak_concurrency, bool) or not isinstance(peak_concurrency, int) or peak_concurrency < 1:
+    if not is_int(peak_concurrency) or peak_concurrency < 1:
         raise InvalidArgumentError(f"peak concurrency must be a positive integer, got {peak_concurrency!r}")
     return 1, peak_concurrency, math.ceil(1.2 * peak_concurrency - 1e-9)
 
@@ -44,9 +45,9 @@ def write_profile(export_dir, peak_concurrency: int = 1, fp16: bool = True) -> d
     Raises:
         CorruptModelError: a graph's ONNX inputs differ from the manifest's (names), or a graph is unreadable.
         ModelNotFoundError / CorruptModelError: no valid export in ``export_dir`` (see
-            :func:`laserlm.export.runtime.read_manifest`).
+            :func:`laserlm.export.ort_backend.read_manifest`).
     """
-    from .runtime import read_manifest  # noqa: PLC0415
+    from .ort_backend import read_manifest  # noqa: PLC0415
 
     d = Path(export_dir)
     man = read_manifest(d)

@@ -1,9 +1,9 @@
 """The dtypes laserlm offers for weights and activations: ``float32``, ``bfloat16`` and guarded ``float16``.
 
-``float16`` alone is unsafe in these models (issue 18 item 6, vLLM #17364): its range (max 65504) is too small for
+``float16`` alone is unsafe in these models (vLLM #17364): its range (max 65504) is too small for
 their residual streams. Gemma3-270M's reaches ``inf`` at decoder layer 7, then NaN, and greedy decoding emitted
 token id 0 until ``max_new_tokens``. So a float16 engine always runs under
-:class:`~laserlm.runtime.ranges.Float16Guard` (issue 16, seed 004 §5.3): norms in float32, and a decoder layer whose
+:class:`~laserlm.runtime.ranges.Float16Guard` (seed 004 §5.3): norms in float32, and a decoder layer whose
 output would overflow float16 is re-run and from then on run in float32 (or refused, naming the layer). The
 generation loop also refuses NaN/inf logits (:class:`~laserlm.errors.NonFiniteLogitsError`) whatever the cause.
 """

@@ -3,7 +3,7 @@
 Why: transformers' GGUF tokenizer conversion (``transformers.integrations.ggml`` building the fast tokenizer
 from the GGUF vocabulary; 5.24 here) does not reproduce the original tokenizer for some SentencePiece
 vocabularies: on a Llama-2 GGUF vocabulary 31 of 46 probe strings were identical, leading spaces were lost
-in round trips (issue 18). laserlm uses that converter unchanged, so it cannot fix the tokenizer, but it can
+in round trips. laserlm uses that converter unchanged, so it cannot fix the tokenizer, but it can
 say so instead of silently scoring or generating with different token ids.
 
 The probe strings cover what such converters get wrong: leading and repeated spaces, digits, punctuation,

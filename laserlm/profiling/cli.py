@@ -50,7 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG plot")
     p.add_argument("--out", default=None, metavar="DIR", help="write profile.json, profile.md and profile.png to DIR")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = p.add_argument_group("precision profile (laserlm.precision)")
+    g = p.add_argument_group("precision profile (laserlm.profiling.precision)")
     g.add_argument("--precision", action="store_true",
                    help="instead: the precision profile, float16 / bfloat16 beside float32 (per-layer max |x| vs "
                         "the dtype's range, NaN/inf, per-layer and per-head error, perplexity per dtype)")
@@ -108,7 +108,7 @@ def _long_ids(args, tok):
 
 def cmd_profile(args) -> int:
     if args.precision:
-        from ..precision.cli import run_precision_profile  # noqa: PLC0415
+        from .precision import run_precision_profile  # noqa: PLC0415
 
         args.model = args.model_name or args.model
         args.tokens = 256 if args.tokens is None else args.tokens

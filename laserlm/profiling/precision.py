@@ -15,9 +15,13 @@ perplexity and the layers that fell back to float32.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import sys
 
 import torch
+
+from ..errors import InvalidArgumentError
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -155,3 +159,45 @@ def format_report(rep: dict) -> str:
             lines.append(f"{name} guarded (as --dtype float16 runs): ppl {g['ppl']:.3f}, layers falling back to "
                          f"float32: {g['fp32_layers']}, float32 calls per layer: {g['fp32_calls']}")
     return "\n".join(lines)
+
+
+def run_precision_profile(args) -> int:
+    """Run the precision profile for ``args.model``; prints the summary (stdout, or stderr with ``--json -``).
+
+    Raises:
+        InvalidArgumentError: ``--precision`` missing, bad ``--tokens`` / ``--dtypes``; data and model errors from
+            their loaders.
+    """
+    if not getattr(args, "precision", False):
+        raise InvalidArgumentError("`laserlm profile` here runs the precision profile: add --precision")
+    if args.tokens < 2:
+        raise InvalidArgumentError(f"--tokens must be at least 2, got {args.tokens}")
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad or not dtypes:
+        raise InvalidArgumentError(f"--dtypes takes {', '.join(DTYPES)}, got {args.dtypes!r}")
+    from .. import data as data_mod  # noqa: PLC0415
+    from ..cli_common import apply_threads, check_output_path  # noqa: PLC0415
+
+    if args.json not in (None, "-"):
+        check_output_path(args.json, "--json")
+    src = data_mod.resolve(args.data, "wikitext-2/test.txt", flag="--data", what="profile text")
+    text = data_mod.read_text(src)
+    apply_threads(args)
+    from ..api import load  # noqa: PLC0415
+
+    lm = load(args.model, dtype="float32", weights="fp32")
+    import torch  # noqa: PLC0415
+
+    ids = torch.tensor(lm.tokenizer(text[:args.tokens * 20])["input_ids"][:args.tokens])
+    rep = precision_profile(lm.engine, ids, dtypes, top=args.top)
+    rep["model"] = args.model
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(format_report(rep), file=out)
+    if args.json == "-":
+        print(json.dumps(rep))
+    elif args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rep, f, indent=1)
+    return 0

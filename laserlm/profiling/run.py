@@ -42,7 +42,7 @@ def default_drops(num_layers: int) -> list[int]:
 def measure_decode(engine, spec: str, n: int = 32, reps: int = 3) -> dict:
     """Measured greedy decode through the runtime loop: ``n`` tokens after a 1-token prompt (llama-bench
     tg), median over ``reps``; ``{"spec", "tokens_per_s", "step_s"}``."""
-    from ..modes import make_mode  # noqa: PLC0415
+    from ..mode_table import make_mode  # noqa: PLC0415
     from ..runtime.loop import generate_tokens  # noqa: PLC0415
     from ..runtime.sampling import SamplingParams  # noqa: PLC0415
 

@@ -20,9 +20,8 @@ whole.
 Not built: a score-based policy (H2O, Zhang et al. 2023; SnapKV, Li et al. 2024), which keeps the keys with the
 most accumulated attention. It needs every layer's attention probabilities at every decode step; on the paged pool
 the compiled layer kernel (``LayerStack.run_paged``) runs a whole stack of layers in one call and does not return
-them, so a layer whose probabilities are wanted leaves that call for the per-layer PyTorch path, the path the
-kernel replaced at 2.8x its speed for one row (31 -> 88 tok/s, 1 thread, benchmarks/results_fast_decode.md
-"Paged batch"). With every layer wanted, the policy would cost more decode time than the eviction saves here; it is
+them, so a layer whose probabilities are wanted leaves that call for the per-layer PyTorch path, the path several
+times slower per row than the kernel. With every layer wanted, the policy would cost more decode time than the eviction saves here; it is
 cheap only once the kernel accumulates the per-page attention mass itself.
 
 Spec strings (``--eviction``): ``none``, ``streaming[:sinks=4,window=256]``,

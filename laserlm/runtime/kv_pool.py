@@ -37,7 +37,7 @@ gather is exactly the contiguous cache's ``[:, :, :end]`` (same values, same len
 computation); with several rows (continuous batching) or evicted pages it also records the absolute position
 of every gathered key in the attention context (``AttentionContext.key_positions``, ``-1`` = padding), and the
 attention function masks by position. The gather copies the live K/V once per layer and step: that is the price
-of paging without a paged-attention kernel (measured in benchmarks/RESULTS.md).
+of paging without a paged-attention kernel.
 
 Prefix reuse
 ------------

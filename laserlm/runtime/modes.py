@@ -2,7 +2,7 @@
 
 A *mode* is how tokens are computed on top of the engine: full depth here; adaptive depth, static
 pruning, naive early exit (``laserlm.depth``) and self-speculative decoding (``laserlm.speculative``)
-implement the same interface, and the table of named modes is built above them, in :mod:`laserlm.modes`
+implement the same interface, and the table of named modes is built above them, in :mod:`laserlm.mode_table`
 (``make_mode``). Generation, evaluation and benchmarks only talk to this interface, so every metric
 runs for every configuration.
 

@@ -158,10 +158,21 @@ def type_name(hint) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+def is_int(value) -> bool:
+    """Whether ``value`` is an integer and not a bool (``True`` is an ``int`` in Python, never a count here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    """Whether ``value`` is an int or float and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _hints(cls) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = typing.get_type_hints(cls)
     return _HINTS[cls]
 
 
-__all__ = ["BAD_VALUE_MESSAGE", "UNKNOWN_MESSAGE", "convert", "expect", "from_spec", "type_name"]
+__all__ = ["BAD_VALUE_MESSAGE", "UNKNOWN_MESSAGE", "convert", "expect", "from_spec", "is_int", "is_number",
+           "type_name"]

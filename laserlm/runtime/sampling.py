@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidArgumentError, NonFiniteLogitsError
+from .options import is_int, is_number
 
 
 @dataclass
@@ -49,17 +50,17 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         """Check every value; raises :class:`InvalidArgumentError` naming the bad one."""
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         t = self.temperature
         if not isinstance(t, (int, float)) or math.isnan(t) or math.isinf(t) or t < 0:
             raise InvalidArgumentError(f"temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         p = self.top_p
         if not isinstance(p, (int, float)) or math.isnan(p) or not 0 < p <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        if self.seed is not None and (not is_int(self.seed)
                                       or not 0 <= self.seed < 2**64):
             raise InvalidArgumentError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -68,10 +69,10 @@ class SamplingParams:
             raise InvalidArgumentError("stop strings must be non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+            if not is_number(v) or not -2 <= v <= 2:
                 raise InvalidArgumentError(f"{name} must be a number in [-2, 2], got {v!r}")
         r = self.repetition_penalty
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.01 <= r <= 100:
+        if not is_number(r) or not 0.01 <= r <= 100:
             raise InvalidArgumentError(f"repetition_penalty must be in [0.01, 100] (1 = off), got {r!r}")
         return self
 

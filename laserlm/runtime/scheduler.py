@@ -22,7 +22,7 @@ Each :meth:`Scheduler.step`
    sampling parameters and RNG; the others (other bridges, speculative, pruning, sparse attention) take their
    mode's own step one request after another in the same iteration. Per-row exits inside one batched forward
    save little wall-clock time on a memory-bound CPU (every layer still streams its weights for the rows that
-   continue): measured in benchmarks/RESULTS.md ("Adaptive depth in a batch");
+   continue);
 4. **finishes** requests on EOS (unless ``ignore_eos``), ``max_tokens`` or their ``stop_check``, and frees their
    pages at once (prompt pages stay in the prefix cache when registered).
 
@@ -42,13 +42,14 @@ from typing import Callable
 
 import torch
 
-from ..errors import ContextLengthError, InvalidArgumentError, PoolFullError, QueueFullError
+from ..errors import InvalidArgumentError, PoolFullError, QueueFullError
 from .eviction import parse_eviction
 from .generate import TokenEvent
 from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedCache, budget_amount
 from .loop import Emitted, advance, record, start
 from .modes import FullDepth
-from .request import Request
+from .options import is_int, is_number
+from .request import Request, check_prompt_ids
 from .sampling import SamplingParams, check_mode_sampling, make_generator
 
 
@@ -86,10 +87,10 @@ class BatchConfig:
         """
         for name in ("page_size", "max_batch", "max_queue", "prefill_chunk", "compact_every"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
         t = self.compact_threshold
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= float(t) <= 1.0:
+        if not is_number(t) or not 0.0 <= float(t) <= 1.0:
             raise InvalidArgumentError(f"compact_threshold must be a number in [0, 1], got {t!r}")
         if not isinstance(self.prefix_cache, bool):
             raise InvalidArgumentError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
@@ -209,24 +210,11 @@ class Scheduler:
         mode = mode if mode is not None else self._full
         self._check_supported(mode)
         check_mode_sampling(params, mode)
-        ids = torch.as_tensor(prompt_ids)
-        if ids.dim() > 1 and not (ids.dim() == 2 and ids.shape[0] == 1):
-            raise InvalidArgumentError(f"one prompt per request: token ids of shape [T] expected, got {list(ids.shape)}")
-        if ids.is_floating_point() or ids.dtype == torch.bool or ids.is_complex():
-            raise InvalidArgumentError(f"token ids must be integers, got {ids.dtype}")
-        ids = ids.to(torch.long).reshape(-1)
-        if ids.numel() == 0:
-            raise InvalidArgumentError("empty prompt: at least one token is required")
-        vocab = int(getattr(self.engine.config, "vocab_size", 0) or 0)
-        if vocab and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise InvalidArgumentError(f"token ids must lie in [0, {vocab}) for this model's vocabulary, got "
-                                       f"{int(ids.min())} .. {int(ids.max())}")
+        ids = check_prompt_ids(prompt_ids, int(getattr(self.engine.config, "vocab_size", 0) or 0),
+                               self.engine.max_seq_len)
         if max_tokens is not None and int(max_tokens) < 0:
             raise InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
         room = self.engine.max_seq_len - ids.numel()
-        if room <= 0:
-            raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is "
-                                     f"{self.engine.max_seq_len}")
         max_tokens = min(params.max_new_tokens, room) if max_tokens is None else min(int(max_tokens), room)
         need = self.reservation(ids.numel() + max_tokens, ids.numel(), mode)
         if need > self.pool.num_pages:

@@ -2,7 +2,7 @@
 
 The grammar engine is llguidance (Microsoft's guidance library): it compiles a JSON schema lazily and fills a
 vocabulary bitmask per token. It was chosen over xgrammar, which was faster per mask but needs Triton (a GPU
-compiler) on a CPU install; the measurement is in benchmarks/RESULTS.md ("Structured output: grammar engine").
+compiler) on a CPU install.
 
 A :class:`GrammarConstraint` is per-request state (the matcher's position in the grammar): each request, and each
 of ``n`` choices, gets its own (:meth:`GrammarConstraint.fork`). :meth:`~laserlm.runtime.request.Request.sample`

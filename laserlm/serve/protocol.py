@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..runtime.sampling import SamplingParams
+from ..runtime.options import is_int, is_number
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
 MAX_STOP_STRINGS = 16              # OpenAI allows 4; vLLM and llama.cpp no limit: room for client-side templates
@@ -117,7 +118,7 @@ def _int(body: dict, name: str, lo: int | None = None, default=None):
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not is_int(v):
         raise bad(f"'{name}' must be an integer, got {v!r}", name)
     if lo is not None and v < lo:
         raise bad(f"'{name}' must be >= {lo}, got {v}", name)
@@ -128,7 +129,7 @@ def _num(body: dict, name: str, default: float) -> float:
     v = body.get(name, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if not is_number(v):
         raise bad(f"'{name}' must be a finite number, got {v!r}", name)
     try:
         v = float(v)
@@ -260,10 +261,10 @@ def parse_completion(body: dict) -> ParsedRequest:
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [list(prompt)]
     elif (isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt)
-          and all(isinstance(t, int) and not isinstance(t, bool) for p in prompt for t in p)):
+          and all(is_int(t) for p in prompt for t in p)):
         prompts = [list(p) for p in prompt]
     else:
         raise bad("'prompt' must be a string, a list of strings, or token ids", "prompt")

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
+from ..runtime.options import is_int
 
 FORMAT = "laserlm-draft-head"
 FORMAT_VERSION = 1
@@ -384,7 +385,7 @@ def param_bytes(head: DraftHead, vocab: int) -> int:
 
 def check_vocab(k) -> int:
     """Raises InvalidArgumentError: the draft vocabulary is not an integer in [16, 2**20]."""
-    if isinstance(k, bool) or not isinstance(k, int) or not 16 <= k <= 1 << 20:
+    if not is_int(k) or not 16 <= k <= 1 << 20:
         raise InvalidArgumentError(f"draft vocabulary size must be an integer in [16, {1 << 20}], got {k!r}")
     return k
 

@@ -42,14 +42,14 @@ alpha)`` (Leviathan et al. 2023, eq. 1) and the policy picks the source and ``m`
 draft length and the fall-back to no draft. Verify cost model: ``c(1) = 1`` and
 ``c(w) = 1 + verify_base + verify_cost * log2(w)`` for ``w >= 2`` (a ``w``-position full-depth forward relative
 to one position; a one-row matrix product is a cheaper kernel than a many-row one on CPU, hence the step).
-Defaults fitted on smollm2-135m, float32, 1 CPU thread (measured 1.7x at w=2, 2.2x at w=3..9, 2.8x at
-w=17: ``verify_base = 0.34``, ``verify_cost = 0.36``). Priors of the acceptance estimates: ``0.7`` for the
+Defaults ``verify_base = 0.34``, ``verify_cost = 0.36`` are fitted to smollm2-135m in float32 on 1 CPU thread
+(``verify_cost=auto`` measures the engine's own curve). Priors of the acceptance estimates: ``0.7`` for the
 shallow path, ``0.6 + 0.08 n`` for an ``n``-token lookup match (``n <= 3``). A rejected lookup draft
 from an ``n``-token match also counts as a failed trial for every longer match length ``n' > n`` of the same
 source (which has a more optimistic prior), so a request whose drafts do not pay spends one first probe, not one
 per match length.
 
-**Loss budget** (:class:`LossBudget`; issue #15's "never below 1.0x"): the policy above acts on estimates, and
+**Loss budget** (:class:`LossBudget`: a request should never run below 1.0x): the policy above acts on estimates, and
 every estimate starts with a probe that may be wasted. To bound what those probes cost, each request keeps a bank
 ``B`` in units of plain full-depth steps (``loss_budget``, e.g. 1.0; off by default). Before a cycle the draft length ``m``
 is limited to those whose predicted waste ``C(m) - 1`` (the cost of the cycle if every draft is rejected and it
@@ -75,13 +75,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgumentError
+from ..runtime.options import is_int, is_number
 
 MAX_NGRAM = 16
 DEFAULT_MAX_NGRAM = 3
-# min_match 1: a 1-token match drafts. It is the weakest evidence (lowest prior), but benchmarks/results_ngram.md
-# (which ran min_match=1 and beat transformers' prompt lookup on every class) has no per-match-length figures to
-# justify raising it, and on grounded prompts a 1-token match is how a copy resynchronises after a correction token.
-# What 1-token probes can cost is bounded by the loss budget and the pooled misses instead.
+# min_match 1: a 1-token match drafts. It is the weakest evidence (lowest prior), but on grounded prompts a 1-token
+# match is how a copy resynchronises after a correction token. What 1-token probes can cost is bounded by the loss
+# budget and the pooled misses instead.
 DEFAULT_MIN_MATCH = 1
 DEFAULT_SUFFIX_TOKENS = 65536
 MAX_SUFFIX_TOKENS = 1 << 26
@@ -91,9 +91,8 @@ DEFAULT_VERIFY_BASE = 0.34
 # int8``): the cost of a ``w``-position step in plain steps, per variant of the block kernels (laserlm/models/kernels):
 # a step of up to 6 positions (Q4_1 matrices; 8 for Q8_0) costs about one read of the weights, longer ones are
 # compute-bound. Not the float32 log-curve, which prices 16 rows at ~2.8 steps. Means of smollm2-135m and
-# gemma3-270m native, medians of 3 interleaved runs of benchmarks/bench_step_tokens.py (1 thread) on an AMD EPYC
-# Zen 5, 2026-12-04; "avx2" is the AVX2 variant measured on that CPU (LASERLM_KERNEL_ISA=avx2), a proxy for AVX2-only
-# CPUs. ``verify_cost=auto`` measures the curve of your engine and machine instead.
+# gemma3-270m native at 1 thread (benchmarks/bench_step_tokens.py); "avx2" is the AVX2 variant
+# (LASERLM_KERNEL_ISA=avx2). ``verify_cost=auto`` measures the curve of your engine and machine instead.
 PACKED_VERIFY_TABLES = {
     "avx512": {1: 1.0, 2: 1.07, 3: 1.17, 4: 1.31, 5: 1.5, 6: 1.74, 8: 2.23, 12: 3.57, 16: 4.3},
     "avx2": {1: 1.0, 2: 1.09, 3: 1.3, 4: 1.56, 5: 2.8, 6: 2.95, 8: 3.6, 12: 4.9, 16: 6.2},
@@ -113,7 +112,7 @@ HEAD_PRIOR = 0.6  # a trained draft head (EAGLE reports 0.6-0.8 per token on cha
 PRIOR_WEIGHT = 2.0
 DECAY = 0.9
 IDLE_DECAY = 0.98  # re-probing a relaxed estimate is paid from the loss budget (at most EPS per cycle long-run)
-DEFAULT_LOSS_BUDGET = 0.0  # off by default: on the benchmark it cost more gains than it saved (RESULTS, issue 15)
+DEFAULT_LOSS_BUDGET = 0.0  # off by default: it refuses more gains than it saves
 MAX_LOSS_BUDGET = 64.0
 BUDGET_EPS = 0.02  # allowance per cycle, plain steps: the long-run loss bound (2 %) that lets probing go on
 PLAIN_EMA = 0.2  # weight of the newest plain step in the reference time
@@ -144,10 +143,10 @@ def parse_draft(value) -> tuple[str, ...]:
 def check_ngram(max_ngram, min_match) -> None:
     """Raises InvalidArgumentError: ``max_ngram`` not an integer in ``[1, 16]`` or ``min_match`` not in
     ``[1, max_ngram]``."""
-    if isinstance(max_ngram, bool) or not isinstance(max_ngram, int) or not 1 <= max_ngram <= MAX_NGRAM:
+    if not is_int(max_ngram) or not 1 <= max_ngram <= MAX_NGRAM:
         raise InvalidArgumentError(f"max_ngram (longest n-gram matched) must be an integer in [1, {MAX_NGRAM}], "
                                    f"got {max_ngram!r}")
-    if isinstance(min_match, bool) or not isinstance(min_match, int) or not 1 <= min_match <= max_ngram:
+    if not is_int(min_match) or not 1 <= min_match <= max_ngram:
         raise InvalidArgumentError(f"min_match (shortest n-gram match that drafts) must be an integer in "
                                    f"[1, max_ngram={max_ngram}], got {min_match!r}")
 
@@ -221,7 +220,7 @@ class SuffixCache:
     """
 
     def __init__(self, max_tokens: int = DEFAULT_SUFFIX_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM):
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_SUFFIX_TOKENS:
+        if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_SUFFIX_TOKENS:
             raise InvalidArgumentError(f"suffix_tokens (suffix cache bound, tokens) must be an integer in "
                                        f"[1, {MAX_SUFFIX_TOKENS}], got {max_tokens!r}")
         check_ngram(max_ngram, 1)
@@ -438,7 +437,7 @@ def check_loss_budget(value) -> float:
     """
     if isinstance(value, str) and value.strip().lower() == "off":
         return 0.0
-    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+    if (not is_number(value) or not math.isfinite(value)
             or not 0.0 <= value <= MAX_LOSS_BUDGET):
         raise InvalidArgumentError(f"loss_budget (plain steps a request may lose to drafts that do not pay; 0 or "
                                    f"off disables the budget) must be a number in [0, {MAX_LOSS_BUDGET:g}] or off, "

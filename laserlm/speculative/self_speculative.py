@@ -38,7 +38,7 @@ Spec: ``speculative:draft_layers=12,k=4,threshold=0.5[,reuse=1]``; ``draft_layer
 ``threshold`` also take ``auto`` (``auto=1`` sets every option not given to ``auto``): a short
 calibration on local validation text picks them (see :mod:`laserlm.speculative.calibration`).
 
-``laser=PATH`` (issue #6) drafts with the calibrated exit head (tuned-lens adapter + final norm + LM
+``laser=PATH`` drafts with the calibrated exit head (tuned-lens adapter + final norm + LM
 head, :class:`laserlm.depth.heads.ExitHead`) stored in a laser file (``laserlm calibrate --output``)
 at exactly the draft depth. Without ``draft_layers`` the draft depth is the file's exit point closest
 to the default depth ``L // 2`` (the shallower one on a tie); a ``draft_layers`` for which the file
@@ -46,7 +46,7 @@ has no head is an error listing the file's exit layers (a head trained for anoth
 used: its adapter maps another layer's hidden states). ``draft_layers=auto`` is not supported with
 ``laser=`` (the file fixes the candidate depths); ``k`` and ``threshold`` may still be ``auto``.
 
-**Draft sources** (issue #15). ``draft=`` names the sources joined by ``+`` in priority order (default
+**Draft sources.** ``draft=`` names the sources joined by ``+`` in priority order (default
 ``layers``, the shallow path above): ``ngram`` (prompt lookup, Saxena 2023: the last ``n <= max_ngram``
 tokens matched in the request's prompt and generated text), ``suffix`` (a bounded n-gram cache over earlier
 requests of this mode object, after SuffixDecoding, Oliaro et al. 2024; ``suffix_tokens`` bounds it) and
@@ -60,7 +60,7 @@ first available source gives (``k`` tokens from the shallow path, the whole cont
 lookup). Stats report cycles, drafted, accepted, emitted, tokens per verify and acceptance per source
 (``by_source``; source ``none`` = plain steps). Example: ``speculative:draft=ngram+layers,max_ngram=3,k=16``.
 
-**Draft head** (issue 39; :mod:`laserlm.speculative.draft_head`). ``draft=head`` drafts with a trained EAGLE-style
+**Draft head** (:mod:`laserlm.speculative.draft_head`). ``draft=head`` drafts with a trained EAGLE-style
 head: one decoder layer that reads the target's last-layer feature of the last verified position and the embedding of
 the token after it, and predicts the next feature; its logits cover only the ``k`` most frequent tokens (FR-Spec).
 Drafts are a chain (no tree); the per-step policy prices ``m`` head drafts at ``m * head_cost + verify(m + 1)`` plain
@@ -71,7 +71,7 @@ without it a bundled model's shipped head is used. The head needs the last-layer
 plain batched steps (more than ``batch_above`` speculating requests) do not give: after one, a request drafts from
 lookup sources until a cycle of its own has run. Example: ``speculative:draft=head+ngram``.
 
-**Loss budget.** ``loss_budget=B`` (plain steps; off by default, see benchmarks/RESULTS.md; ``0`` or
+**Loss budget.** ``loss_budget=B`` (plain steps; off by default: it refuses more gains than it saves; ``0`` or
 ``off`` disables it) bounds what drafts that do not pay can cost a request: a cycle may only draft lengths whose
 predicted waste fits the request's bank, and the bank is settled with the *measured* cycle time over the
 request's own plain-cycle time (:class:`~.drafts.LossBudget`; the first decode step is a plain step that times
@@ -94,7 +94,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..runtime.loop import Emitted
 from ..runtime.modes import FullDepth, Mode, ScoreOutput
-from ..runtime.options import from_spec
+from ..runtime.options import from_spec, is_int, is_number
 from ..runtime.sampling import check_finite, probabilities
 from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
                      DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, DraftPolicy, LossBudget,
@@ -108,7 +108,7 @@ DEFAULT_K = 4
 DEFAULT_LOOKUP_K = 16  # default k when a lookup source (ngram, suffix) drafts: copied spans are long
 DEFAULT_THRESHOLD = 0.0
 DEFAULT_HEAD_THRESHOLD = 0.0  # draft head: stop drafting below this confidence (0: the policy's length)
-DEFAULT_HEAD_COST = 0.11  # one token drafted by the shipped SmolLM2 head (Q8_0), in plain native steps (RESULTS, issue 39)
+DEFAULT_HEAD_COST = 0.11  # one token drafted by the shipped SmolLM2 head (Q8_0), in plain native steps
 DEFAULT_BATCH_ABOVE = 2  # more speculative requests than this decoding together take plain batched steps
 LOOKUP = ("ngram", "suffix")
 
@@ -237,7 +237,7 @@ class SpeculativeDecoding(Mode):
         max_ngram: longest n-gram matched by the lookup sources, in ``[1, 16]`` (default 3).
         min_match: shortest match that drafts, in ``[1, max_ngram]`` (default 1).
         adaptive: per-step policy for the source and draft length (default: on when a lookup source is
-            named, off for ``draft=layers`` alone, which then drafts exactly as before issue #15).
+            named, off for ``draft=layers`` alone, which then always drafts ``k`` tokens).
         suffix_tokens: bound of the suffix cache in tokens, in ``[1, 2**26]`` (default 65536); the cache
             (``mode.suffix_cache``) is shared by every request this mode object runs.
         verify_cost, verify_base: ``a`` and ``b`` of the verify cost model ``c(w) = 1 + b + a log2(w)``
@@ -253,8 +253,8 @@ class SpeculativeDecoding(Mode):
             model's distribution.
         loss_budget: plain full-depth steps a request may lose to drafts that do not pay (module docstring,
             :class:`~.drafts.LossBudget`), a number in ``[0, 64]`` or ``"off"`` (= 0, no budget); default ``None``:
-            off (benchmarks/RESULTS.md, "Lookup drafts with a loss budget": a first probe that misses overdraws the
-            bank and ends drafting for the request, which cost more gains on grounded prompts than it saved).
+            off (a first probe that misses overdraws the bank and ends drafting for the request, which costs more gains
+            on grounded prompts than it saves).
         draft_head: a :class:`~.draft_head.DraftModel` (required when ``draft`` names ``head``); ``head_name`` labels
             it in the stats.
         head_threshold: stop a head draft when its max probability falls below this, in ``[0, 1]`` (default 0).
@@ -287,14 +287,14 @@ class SpeculativeDecoding(Mode):
         if not isinstance(head_threshold, (int, float)) or not 0.0 <= head_threshold <= 1.0:
             raise InvalidArgumentError(f"head_threshold (draft head confidence) must be in [0, 1], got "
                                        f"{head_threshold!r}")
-        if (isinstance(head_cost, bool) or not isinstance(head_cost, (int, float)) or not 0.0 <= head_cost <= 4.0):
+        if (not is_number(head_cost) or not 0.0 <= head_cost <= 4.0):
             raise InvalidArgumentError(f"head_cost (one drafted token of the head, in plain steps) must be a number "
                                        f"in [0, 4], got {head_cost!r}")
         self.draft_head = draft_head
         self.head_name = head_name
         self.head_threshold = float(head_threshold)
         self.head_cost = float(head_cost)
-        if isinstance(batch_above, bool) or not isinstance(batch_above, int) or not 1 <= batch_above <= 4096:
+        if not is_int(batch_above) or not 1 <= batch_above <= 4096:
             raise InvalidArgumentError(f"batch_above (speculating requests in a batch before they take plain "
                                        f"batched steps) must be an integer in [1, 4096], got {batch_above!r}")
         self.batch_above = batch_above
@@ -302,11 +302,11 @@ class SpeculativeDecoding(Mode):
             k = DEFAULT_K if sources == ("layers",) else DEFAULT_LOOKUP_K
         if draft_layers is None:
             draft_layers = max(1, num_layers // 2)
-        if isinstance(draft_layers, bool) or not isinstance(draft_layers, int) or not 1 <= draft_layers < num_layers:
+        if not is_int(draft_layers) or not 1 <= draft_layers < num_layers:
             raise InvalidArgumentError(
                 f"draft_layers must be an integer in [1, {num_layers - 1}] for this {num_layers}-layer model "
                 f"(the draft must be shallower than the full model), got {draft_layers!r}")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        if not is_int(k) or not 1 <= k <= MAX_K:
             raise InvalidArgumentError(f"k (drafted tokens per cycle) must be an integer in [1, {MAX_K}], got {k!r}")
         if not isinstance(threshold, (int, float)) or not 0.0 <= threshold <= 1.0:
             raise InvalidArgumentError(f"threshold (draft confidence) must be in [0, 1], got {threshold!r}")
@@ -315,11 +315,11 @@ class SpeculativeDecoding(Mode):
         check_ngram(max_ngram, min_match)
         if loss_budget is not None:
             check_loss_budget(loss_budget)
-        if (isinstance(verify_cost, bool) or not isinstance(verify_cost, (int, float))
+        if (not is_number(verify_cost)
                 or not 0.0 <= verify_cost <= 16.0):
             raise InvalidArgumentError(f"verify_cost (extra cost per doubling of the verify width) must be a "
                                        f"number in [0, 16], got {verify_cost!r}")
-        if (isinstance(verify_base, bool) or not isinstance(verify_base, (int, float))
+        if (not is_number(verify_base)
                 or not 0.0 <= verify_base <= 16.0):
             raise InvalidArgumentError(f"verify_base (extra cost of a multi-position verify) must be a number in "
                                        f"[0, 16], got {verify_base!r}")

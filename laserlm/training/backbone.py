@@ -1,7 +1,7 @@
 """The backbone stage: train the decoder itself (LoRA factors) so that early exits agree with the full model.
 
-Adaptive depth saves little on a checkpoint trained to predict only at its last layer (RESULTS: "modes on the fast
-path"). Following the seeds' curriculum and LayerSkip, this stage fine-tunes the backbone at a low learning rate
+Adaptive depth saves little on a checkpoint trained to predict only at its last layer: its intermediate states do
+not yet carry the final prediction. Following the seeds' curriculum and LayerSkip, this stage fine-tunes the backbone at a low learning rate
 so that the hidden states at the exit points already carry the full model's prediction:
 
 - **Curriculum** (seed 004 §5.1): the first ``frozen_tokens`` train the exit adapters alone with the backbone frozen

@@ -3,8 +3,8 @@ prompts (``CalibrateConfig(source="chat")``, the calibrated adaptive default of 
 
 Why. The agreement a laser file certifies is teacher-forced top-1 agreement with the full model's greedy token,
 and the certificate only carries over to positions exchangeable with the calibration positions. WikiText-2
-positions are not exchangeable with a chat model answering a question: on smollm2-135m a threshold certified
-for 0.99 on WikiText-2 valid gave 0.969 on the 16 shipped chat prompts (benchmarks/RESULTS.md). Here the
+positions are not exchangeable with a chat model answering a question: a threshold certified on WikiText-2
+gives less agreement on chat answers. Here the
 calibration positions are what the guarantee is about: a chat-formatted question (the model's chat template;
 plain text for a model without one) followed by the model's own full-depth greedy continuation.
 

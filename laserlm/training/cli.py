@@ -127,10 +127,10 @@ def add_parser(subparsers) -> None:
                    help="gradient-norm clipping (default: %(default)s, seed 004)")
     p.add_argument("--adaptive-clip", action="store_true",
                    help="head and joint stages: clip at the 10th percentile of the last 100 gradient norms, within "
-                        "the seed's 0.2-1.0 (AutoClip; replaces --grad-clip); off by default: no measured gain (benchmarks/RESULTS.md, training guidance)")
+                        "the seed's 0.2-1.0 (AutoClip; replaces --grad-clip); off by default: no gain found on the bundled models")
     p.add_argument("--cross-layer-norm", action="store_true",
                    help="head and joint stages: give every exit point's modules a gradient of the same norm (the seed's cross-layer "
-                        "gradient normalisation); off by default: no measured gain (benchmarks/RESULTS.md)")
+                        "gradient normalisation); off by default: no gain found on the bundled models")
     p.add_argument("--threshold-decay", type=_probability("--threshold-decay"), default=0.95,
                    help="joint-stage exit-threshold decay per epoch (default: %(default)s, seed 004)")
     p.add_argument("--no-predictor", action="store_true",

@@ -25,15 +25,6 @@ from ..errors import DataFileError, InvalidArgumentError
 DEFAULT_TEXT = "wikitext-2/valid.txt"  # under the data directory (see laserlm.data)
 
 
-def default_data_path() -> Path:
-    """WikiText-2 valid, ``wikitext-2/valid.txt`` under the data directory (:func:`laserlm.data.data_root`).
-
-    Raises:
-        DataFileError: no data directory configured or no such file (the message names ``--data``).
-    """
-    return resolve_data(None, DEFAULT_TEXT, what="calibration text")
-
-
 def load_text_tokens(tokenizer, path: str | Path | None = None, max_tokens: int | None = None,
                      allow_test: bool = False) -> torch.Tensor:
     """Tokenize calibration text into one ``[N]`` int64 stream (no special tokens).

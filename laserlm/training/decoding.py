@@ -2,9 +2,8 @@
 
 With the ``propagate`` bridge a token that exits leaves projected K/V in the layers it skipped, so later tokens
 see a slightly different cache and their hidden states drift from the full model's. Gates and thresholds
-calibrated on exact (teacher-forced, full-depth) states then over-promise: on SmolLM2-135M a threshold
-certified for 0.99 agreement on exact states gave 0.949 under propagate decoding (benchmarks/
-results_calibration.md). CALM (Schuster et al. 2022) therefore calibrates on the decoding it guarantees.
+calibrated on exact (teacher-forced, full-depth) states then over-promise: a threshold certified for an
+agreement on exact states gives less under propagate decoding. CALM (Schuster et al. 2022) therefore calibrates on the decoding it guarantees.
 
 Here every candidate threshold of the fixed-sequence test is evaluated by decoding the calibration chunks
 with that threshold through :func:`laserlm.depth.batched.score_batch` (all chunks side by side, per-row exit
@@ -19,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..depth.batched import score_batch
 from ..depth.policies import GatePolicy
-from ..depth.scheduler import AdaptiveDepth
+from ..depth.adaptive import AdaptiveDepth
 from .collect import ExitStates
 
 EXIT_FRACTION_GRID = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.065, 0.08, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,

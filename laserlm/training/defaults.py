@@ -32,8 +32,8 @@ def default_calibrate_config(data=None) -> CalibrateConfig:
 def _float_engine(engine, progress: bool):
     """``engine`` itself for float weights; for packed weights (``int8`` / ``int4`` / ``native``) an engine on the
     float32 weights of the same checkpoint. Training exit heads backpropagates through the LM head, which packed
-    matrices do not support at speed (measured: ~35 s per head-training step on ``native`` smollm2-135m against
-    well under a second on float32). The artifact made on the float weights loads on every weight format of the
+    matrices do not support at speed (a head-training step is orders of magnitude slower through packed weights).
+    The artifact made on the float weights loads on every weight format of the
     checkpoint: a laser file is identified by the hash of the float weights, taken before packing."""
     if getattr(engine.loaded, "pack_report", None) is None:
         return engine

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
 from ..speculative.draft_head import CE_WEIGHT, DraftHead, DraftHeadConfig, DraftModel, check_vocab
+from ..runtime.options import is_int
 
 NOISE = 0.1  # EAGLE §3.3: uniform noise U(-0.1, 0.1) on the input features (here in units of the feature scale)
 
@@ -78,7 +79,7 @@ def train_draft_head(engine, records: torch.Tensor, vocab: int = 4096, epochs: i
         raise InvalidArgumentError(f"draft head training needs at least 2 records of >= 8 tokens, got shape "
                                    f"{tuple(records.shape)}")
     for name, v in (("epochs", epochs), ("batch", batch)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        if not is_int(v) or v < 1:
             raise InvalidArgumentError(f"{name} must be a positive integer, got {v!r}")
     if not (isinstance(lr, (int, float)) and 0 < lr < 1):
         raise InvalidArgumentError(f"lr must be in (0, 1), got {lr!r}")

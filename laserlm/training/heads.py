@@ -11,7 +11,6 @@ exactly the features the adaptive scheduler computes at run time.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ..depth.heads import ADAPTER_KINDS, ExitHead, confidence_scalars, gate_scalars_batch  # noqa: F401  (re-exported)

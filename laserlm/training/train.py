@@ -11,8 +11,8 @@ Defaults and their sources:
   LR (Belrose et al. 2023 train their lenses at 1e-3 as well).
 - joint stage LR ``3e-5`` with linear warm-up, gradient clipping at 1.0, exit-threshold decay 0.95 per
   epoch: seed 004.
-- two further options from the seed's guidance, off by default until a measurement supports them
-  (benchmarks/ablate_training.py, RESULTS "Training guidance"): *adaptive clipping* inside the seed's
+- two further options from the seed's guidance, off by default because they showed no gain on the
+  bundled models: *adaptive clipping* inside the seed's
   0.2-1.0 range (the clip follows a low percentile of the recent gradient norms: AutoClip, Seetharaman et al.
   2020) and *cross-layer gradient normalisation* (each exit point's parameters get a gradient of the same
   norm, the mean over exits: the "gradient equilibrium" of Li et al. 2019, "Improved techniques for training

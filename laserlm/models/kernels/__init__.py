@@ -78,10 +78,9 @@ def hardware_bf16_gemm() -> bool:
     float32:
 
     - the AMX-BF16 tile unit (Intel Xeon 4th generation and later), with the kernel's permission to use it granted
-      (``torch._C._cpu._init_amx``; a VM may not grant it). Measured on such a CPU (1 thread): a bfloat16
-      ``F.linear`` of 512 x 640 by 640 x 2048 ran at 600 GMAC/s against 86 in float32;
-    - AVX512-BF16 (``vdpbf16ps``; e.g. AMD Zen 4, Intel Cooper Lake). Measured on an AMD EPYC Zen 4 (1 thread,
-      2026-12-02): 181-200 GFLOP/s against 79-92 in float32 on the bundled models' prefill shapes (2.2-2.5x).
+      (``torch._C._cpu._init_amx``; a VM may not grant it). A bfloat16 GEMM there runs several times faster
+      than float32;
+    - AVX512-BF16 (``vdpbf16ps``; e.g. AMD Zen 4, Intel Cooper Lake): about twice float32 on prefill shapes.
 
     CPUs with neither (AVX2 only) return False: oneDNN then emulates bfloat16, slower than float32."""
     flags = _cpu_flags().split()
