@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 import laserlm
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2"
 

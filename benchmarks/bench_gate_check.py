@@ -1,7 +1,7 @@
 """Per-check cost of a state-feature exit gate, and per-token cost of measuring the ATS (adaptive policy=never vs
 policy=ats that never exits), interleaved. usage: python benchmarks/bench_gate_check.py LASER_FILE (default /tmp/cf/smol99.safetensors)"""
 import time, torch, laserlm, statistics as st
-from laserlm.modes import make_mode
+from laserlm.mode_table import make_mode
 from laserlm.depth.policies import BatchPoint
 torch.set_num_threads(2)
 import sys

@@ -31,7 +31,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import laserlm
     from laserlm.export.onnx import export_onnx
-    from laserlm.export.runtime import OnnxModel, make_onnx_mode
+    from laserlm.export.ort_backend import OnnxModel, make_onnx_mode
 
     lm = laserlm.load(args.model, dtype="float32", weights="fp32", max_seq_len=1024)
     eng = lm.engine

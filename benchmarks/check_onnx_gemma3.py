@@ -5,7 +5,7 @@ OUT = sys.argv[1]
 torch.set_num_threads(1)
 import laserlm
 from laserlm.export.onnx import export_onnx
-from laserlm.export.runtime import OnnxModel, make_onnx_mode
+from laserlm.export.ort_backend import OnnxModel, make_onnx_mode
 lm = laserlm.load("gemma3-270m", dtype="float32", weights="fp32", max_seq_len=640)
 eng = lm.engine
 t = time.time(); man = export_onnx(eng, OUT, max_len=640, progress=False, tokenizer=lm.tokenizer)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from laserlm.export.runtime import OnnxCache, OnnxModel, make_onnx_mode
+from laserlm.export.ort_backend import OnnxCache, OnnxModel, make_onnx_mode
 
 
 def main():
