@@ -507,7 +507,10 @@ def test_smollm2_adaptive_combined_sources_greedy_identical(smol, smol_ref):
         assert [ev.token_id for ev in run] == want
     s = run.summary()["speculative"]
     assert s["mean_accepted_length"] > 2, "the copy prompt should accept long drafts"
-    assert len(mode.suffix_cache) <= mode.suffix_cache.max_tokens
+    cache = mode.suffix_cache(engine)
+    assert 0 < len(cache) <= cache.max_tokens
+    # the cache lives on the engine, not in the mode: a second mode object of the same settings shares it
+    assert make_mode("speculative:draft=ngram+suffix+layers,draft_layers=20", engine).suffix_cache(engine) is cache
 
 
 def _accepted_token_index(run_events, ids):

@@ -118,6 +118,9 @@ class Engine:
         self.dtype = next(hf_model.parameters()).dtype
         a = self.adapter
         self.cache = self.new_cache(max_seq_len, batch_size)
+        # state shared by the requests of this engine, owned here so that modes stay stateless configs: key ->
+        # object (e.g. the speculative mode's suffix cache of earlier requests' tokens)
+        self.shared: dict = {}
         self._rope_tables = None
         self.kernel = None  # optional attention kernel (block-sparse attention), see attention.py
         # Llama-family layers run through fast_layers.fast_layer (bit-identical, less dispatch overhead);

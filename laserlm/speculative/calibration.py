@@ -91,7 +91,6 @@ def greedy_traces(engine, prompts, gen_tokens: int, depths, exit_head, on_prompt
         traces.append({"agree": torch.stack(agree), "conf": torch.stack(conf)})
         if on_prompt is not None:
             on_prompt()
-    engine.reset()
     return traces
 
 
@@ -100,17 +99,17 @@ def measure_costs(engine, max_verify: int, exit_head, repeats: int = 3) -> dict:
     """Seconds of one decoder layer on ``t`` tokens (``layer[t]`` for t = 1..max_verify) and of the exit
     head on one token, measured on a 64-token context (minimum of ``repeats``: the least-disturbed run on a shared machine)."""
     head = exit_head or engine.head
-    engine.reset()
-    engine.prefill(torch.zeros(1, 64, dtype=torch.long))
+    cache = engine.new_cache(64 + max_verify)  # a scratch cache: no engine state is touched
+    engine.prefill(torch.zeros(1, 64, dtype=torch.long), cache=cache)
     layer, L = {}, engine.num_layers
     for t in range(1, max_verify + 1):
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            h, state = engine.begin(torch.zeros(1, t, dtype=torch.long))
+            h, state = engine.begin(torch.zeros(1, t, dtype=torch.long), start=64, cache=cache)
             engine.run_layers(0, L, h, state)
             times.append(time.perf_counter() - t0)
-            engine.truncate(64)
+            engine.truncate(64, cache=cache)
         layer[t] = min(times) / L
     h = torch.zeros(1, 1, engine.config.hidden_size, dtype=engine.dtype)
     times = []
@@ -118,7 +117,6 @@ def measure_costs(engine, max_verify: int, exit_head, repeats: int = 3) -> dict:
         t0 = time.perf_counter()
         head(h)
         times.append(time.perf_counter() - t0)
-    engine.reset()
     return {"layer_s": layer, "head_s": min(times)}
 
 

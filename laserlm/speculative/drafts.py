@@ -203,6 +203,18 @@ class NgramIndex:
         return 0, []
 
 
+def check_suffix_tokens(max_tokens) -> int:
+    """``max_tokens`` of a suffix cache, checked.
+
+    Raises:
+        InvalidArgumentError: not an integer in ``[1, 2**26]``.
+    """
+    if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_SUFFIX_TOKENS:
+        raise InvalidArgumentError(f"suffix_tokens (suffix cache bound, tokens) must be an integer in "
+                                   f"[1, {MAX_SUFFIX_TOKENS}], got {max_tokens!r}")
+    return max_tokens
+
+
 class SuffixCache:
     """A bounded n-gram index over the token sequences (prompt + output) of earlier requests of a process.
 
@@ -220,9 +232,7 @@ class SuffixCache:
     """
 
     def __init__(self, max_tokens: int = DEFAULT_SUFFIX_TOKENS, max_ngram: int = DEFAULT_MAX_NGRAM):
-        if not is_int(max_tokens) or not 1 <= max_tokens <= MAX_SUFFIX_TOKENS:
-            raise InvalidArgumentError(f"suffix_tokens (suffix cache bound, tokens) must be an integer in "
-                                       f"[1, {MAX_SUFFIX_TOKENS}], got {max_tokens!r}")
+        check_suffix_tokens(max_tokens)
         check_ngram(max_ngram, 1)
         self.max_tokens = max_tokens
         self.max_ngram = max_ngram

@@ -98,8 +98,8 @@ from ..runtime.options import from_spec, is_int, is_number
 from ..runtime.sampling import check_finite, probabilities
 from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
                      DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, DraftPolicy, LossBudget,
-                     NgramIndex, SuffixCache, affordable, check_loss_budget, check_ngram, packed_verify_table,
-                     parse_draft, table_cost, verify_cost)
+                     NgramIndex, SuffixCache, affordable, check_loss_budget, check_ngram, check_suffix_tokens,
+                     packed_verify_table, parse_draft, table_cost, verify_cost)
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -239,7 +239,8 @@ class SpeculativeDecoding(Mode):
         adaptive: per-step policy for the source and draft length (default: on when a lookup source is
             named, off for ``draft=layers`` alone, which then always drafts ``k`` tokens).
         suffix_tokens: bound of the suffix cache in tokens, in ``[1, 2**26]`` (default 65536); the cache
-            (``mode.suffix_cache``) is shared by every request this mode object runs.
+            (:meth:`suffix_cache`, kept in ``engine.shared``) is shared by every request the engine runs with the
+            same ``suffix_tokens`` and ``max_ngram``.
         verify_cost, verify_base: ``a`` and ``b`` of the verify cost model ``c(w) = 1 + b + a log2(w)``
             (``w >= 2``; the relative cost of a ``w``-position full-depth forward, :func:`~.drafts.verify_cost`),
             numbers in ``[0, 16]`` (defaults 0.36 and 0.34, fitted on smollm2-135m on 1 CPU thread).
@@ -341,9 +342,20 @@ class SpeculativeDecoding(Mode):
         self.verify_cost = float(verify_cost)
         self.verify_base = float(verify_base)
         self.ngram = ngram
-        self.suffix_cache = SuffixCache(suffix_tokens, max_ngram) if "suffix" in sources else None
+        self.suffix_tokens = check_suffix_tokens(suffix_tokens) if "suffix" in sources else None
         self.calibration: dict | None = None  # filled by the auto calibration
         self.verify_fit: dict | None = None  # verify_cost=auto's measurement, or the packed-weights prior
+
+    def suffix_cache(self, engine) -> SuffixCache | None:
+        """The suffix cache of this mode's settings on ``engine`` (``None`` without the ``suffix`` source): one
+        per engine, shared by every request it runs with these settings; it lives in ``engine.shared``, so the
+        mode holds no request data."""
+        if self.suffix_tokens is None:
+            return None
+        key = ("suffix_cache", self.suffix_tokens, self.max_ngram)
+        if key not in engine.shared:
+            engine.shared[key] = SuffixCache(self.suffix_tokens, self.max_ngram)
+        return engine.shared[key]
 
     def config(self) -> dict:
         out = {"draft_layers": self.draft_layers, "k": self.k, "threshold": self.threshold,
@@ -354,8 +366,8 @@ class SpeculativeDecoding(Mode):
             out.update(draft="+".join(self.draft), max_ngram=self.max_ngram, min_match=self.min_match,
                        adaptive=self.adaptive, verify_cost=None if table else self.verify_cost,
                        verify_base=None if table else self.verify_base)  # None: priced by verify_fit's table
-            if self.suffix_cache is not None:
-                out.update(suffix_tokens=self.suffix_cache.max_tokens, suffix_cache_tokens=len(self.suffix_cache))
+            if self.suffix_tokens is not None:
+                out.update(suffix_tokens=self.suffix_tokens)
             if self.draft_head is not None:
                 out.update(head=self.head_name, head_threshold=self.head_threshold, head_cost=self.head_cost)
         return out
@@ -399,15 +411,16 @@ class SpeculativeDecoding(Mode):
             cur = request.sample(engine.head(h[:, -1:])[0, -1])
             st.head.add(h[0].float(), ids[1:].tolist() + [cur], p)
         request.state.prefill_s = time.perf_counter() - t0
-        self._record_tokens(request, request.prompt_ids.tolist() + [cur])
+        self._record_tokens(engine, request, request.prompt_ids.tolist() + [cur])
         return [Emitted(cur, engine.num_layers, {"kind": "prefill"})]
 
-    def _record_tokens(self, request, tokens: list[int]) -> None:
+    def _record_tokens(self, engine, request, tokens: list[int]) -> None:
         st = request.state
         if st.index is not None:
             st.index.extend(tokens)
-        if self.suffix_cache is not None:
-            self.suffix_cache.extend(request.request_id, tokens)
+        suffix = self.suffix_cache(engine)
+        if suffix is not None:
+            suffix.extend(request.request_id, tokens)
 
     @torch.inference_mode()
     def step(self, engine, request) -> list[Emitted]:
@@ -424,7 +437,7 @@ class SpeculativeDecoding(Mode):
         if st.budget is not None and st.budget.plain_s is None:
             source, key, m, lookup = "none", None, 0, None  # the first decode step times the plain reference
         else:
-            source, key, m, lookup = self._choose(request, k)
+            source, key, m, lookup = self._choose(engine, request, k)
         st.draft_s += time.perf_counter() - t0
         emitted, drafted, layers = self._cycle(engine, request, request.last_token, source, m, lookup)
         accepted = len(emitted) - 1
@@ -433,7 +446,7 @@ class SpeculativeDecoding(Mode):
             observed = ({key_: tok == emitted[0] for key_, tok in st.proposals.items()} if drafted == 0 else None)
             st.policy.update(key, accepted, drafted, observed)
         st.proposals = {}
-        self._record_tokens(request, emitted)
+        self._record_tokens(engine, request, emitted)
         if st.budget is not None:
             predicted = self._cost(st, source, drafted)
             st.predicted_steps += predicted
@@ -465,7 +478,7 @@ class SpeculativeDecoding(Mode):
             if st.head is not None:
                 st.head.lost()  # no last-layer features from the batched step
             st.record("none", 0, 0)
-            self._record_tokens(r, [e.token_id for e in emitted])
+            self._record_tokens(engine, r, [e.token_id for e in emitted])
             for e in emitted:
                 e.info = {"cycle": st.cycles - 1, "drafted": 0, "accepted": 0, "kind": "plain", "source": "none"}
         return rows
@@ -494,7 +507,7 @@ class SpeculativeDecoding(Mode):
             return m * self.head_cost + self._verify_cost(m + 1)
         return self._layers_cost(st, m) if source == "layers" else self._verify_cost(m + 1)
 
-    def _choose(self, request, k: int) -> tuple[str, str | None, int, list[int] | None]:
+    def _choose(self, engine, request, k: int) -> tuple[str, str | None, int, list[int] | None]:
         """The cycle's ``(source, policy key, draft length, lookup tokens or None)``; ``("none", None, 0,
         None)``: a plain full-depth step. With a loss budget only lengths whose predicted waste ``C(m) - 1``
         fits the request's bank are drafted; the cycles where that changed the choice are counted in
@@ -519,7 +532,7 @@ class SpeculativeDecoding(Mode):
                         lambda index, kk, mm: index.lookup(kk, mm))
                     n, toks = finder(st.index, k, self.min_match)
                 else:
-                    n, toks = self.suffix_cache.lookup(st.index.tokens, k, self.min_match,
+                    n, toks = self.suffix_cache(engine).lookup(st.index.tokens, k, self.min_match,
                                                        exclude=request.request_id)
                 toks = [int(t) for t in toks[:k]]
                 if n < 1 or not toks:
