@@ -21,7 +21,7 @@ random lengths, P50/P99 latency under Poisson arrivals at two rates, and adaptiv
 Usage (run alone; record ``uptime`` before and after)::
 
     PYTHONPATH=. python benchmarks/bench_batch.py --weights fp32 --docs 32 --new-tokens 64 --max-batch 16 \
-        --out benchmarks/results_batch_fp32.json
+        --out benchmarks/history/results_batch_fp32.json
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def main():
     ap.add_argument("--speed-tokens", type=int, default=24)
     ap.add_argument("--speed-reps", type=int, default=2)
     ap.add_argument("--skip-decode", action="store_true", help="skip the slow propagate/none sweeps")
-    ap.add_argument("--out", default="benchmarks/results_depth.json")
+    ap.add_argument("--out", default="benchmarks/out/depth.json")
     ap.add_argument("--speed-specs", nargs="+", help="only a speed run of full + these specs (stored as speed_extra)")
     ap.add_argument("--specs", nargs="+", help="only these replay/batched specs (appended to --out), no speed run")
     ap.add_argument("--report", metavar="JSON", help="only print tables (and --plot) from a results JSON")

@@ -10,7 +10,7 @@ of ``--chunk``), greedy, 10 tokens; correct when the first integer is the key.
 
 Usage (run alone)::
 
-    PYTHONPATH=. python benchmarks/bench_eviction.py --length 1536 --window 256 --out benchmarks/results_eviction.json
+    PYTHONPATH=. python benchmarks/bench_eviction.py --length 1536 --window 256 --out benchmarks/history/results_eviction.json
 """
 
 from __future__ import annotations

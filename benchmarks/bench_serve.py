@@ -21,7 +21,7 @@ time on the same port range, each started and stopped by this script:
 Usage (run alone; record ``uptime`` before and after)::
 
     PYTHONPATH=. python benchmarks/bench_serve.py --modes full 'speculative:draft=ngram' \
-        --llama-server PATH/llama-server --out benchmarks/results_serve.json
+        --llama-server PATH/llama-server --out benchmarks/history/results_serve.json
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def main():
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary")
     ap.add_argument("--data", default=str(Path(__file__).resolve().parent.parent.parent / "shared" / "data"))
-    ap.add_argument("--out", default="benchmarks/results_serve.json")
+    ap.add_argument("--out", default="benchmarks/out/serve.json")
     args = ap.parse_args()
 
     prompts = questions(Path(args.data), args.num_prompts + args.sessions)

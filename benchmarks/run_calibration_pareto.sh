@@ -53,5 +53,5 @@ fi
 
 if [[ $step == plot || $step == all ]]; then
   .venv/bin/python benchmarks/plot_pareto.py --eval $OUT/pareto_eval_*.json \
-      --bench $OUT/calibration_pareto_bench.json --out benchmarks/calibration_pareto.png
+      --bench $OUT/calibration_pareto_bench.json --out benchmarks/out/calibration_pareto.png
 fi

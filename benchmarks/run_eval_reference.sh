@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Full-depth reference numbers for benchmarks/results_eval.md (issue #3).
+# Full-depth reference numbers for benchmarks/history/results_eval.md (issue #3).
 # Usage: benchmarks/run_eval_reference.sh [MODEL] [LIMIT] [PPL_WINDOWS] [THREADS]
 # One thread per process: on the shared 2-core machine, 2 threads per process under load from other
 # jobs ran ~10x slower than 1 thread (OpenMP threads waiting on descheduled peers).
@@ -8,7 +8,7 @@ MODEL=${1:-smollm2-135m}
 LIMIT=${2:-100}
 WINDOWS=${3:-40}
 THREADS=${4:-1}
-OUT=benchmarks/eval_runs
+OUT=benchmarks/out/eval_runs
 mkdir -p "$OUT"
 for DTYPE in float32 bfloat16; do
   tag="${MODEL}_${DTYPE}"
