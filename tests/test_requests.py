@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from laserlm.errors import ContextLengthError, InvalidArgumentError
-from laserlm.runtime.loop import advance, generate_tokens, start
+from laserlm.runtime.loop import generate_tokens
+from laserlm.runtime.runner import advance, start
 from laserlm.mode_table import make_mode
 from laserlm.runtime.request import new_request
 from laserlm.runtime.sampling import SamplingParams

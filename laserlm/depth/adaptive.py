@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidArgumentError
-from ..runtime.loop import Emitted
+from ..runtime.runner import Emitted
 from ..runtime.modes import Mode, ScoreOutput
 from .batched import run_layers_frozen
 from .bridge import Bridge, DeferredBridge, PendingToken, PropagateBridge, make_bridge

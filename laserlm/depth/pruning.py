@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgumentError
-from ..runtime.loop import Emitted
+from ..runtime.runner import Emitted
 from ..runtime.modes import Mode, ScoreOutput
 from .stats import summarize_events
 

@@ -3,7 +3,8 @@ generation loop."""
 
 from .engine import Engine, ForwardOutput, StepStats
 from .kv_cache import CacheWindow, KVCache
-from .loop import Emitted, RequestRun, advance, generate_tokens, start
+from .loop import RequestRun, generate_tokens
+from .runner import Emitted, advance, start
 from .request import Request, new_request
 
 __all__ = ["CacheWindow", "Emitted", "Engine", "ForwardOutput", "KVCache", "Request", "RequestRun", "StepStats",

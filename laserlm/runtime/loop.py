@@ -2,59 +2,29 @@
 
 Every decoding mode plugs into it through three calls (:class:`~laserlm.runtime.modes.Mode`):
 ``new_state(engine, request)``, ``prefill(engine, request)`` and ``step(engine, request)``; the last two
-return the tokens they emitted as :class:`Emitted` (one for full depth and adaptive depth, several for a
-speculative cycle). The loop times them, appends the tokens to the request and yields
-:class:`~laserlm.runtime.generate.TokenEvent` s; :class:`~laserlm.runtime.generate.Generation` turns those
-into text. A scheduler that interleaves requests calls the same two functions, one request at a time.
+return the tokens they emitted as :class:`~laserlm.runtime.runner.Emitted` (one for full depth and adaptive
+depth, several for a speculative cycle). The loop decides (one request, every step until it has its tokens); the
+runner (:mod:`laserlm.runtime.runner`) runs the step, appends the tokens to the request and makes the timed
+:class:`~laserlm.runtime.generate.TokenEvent` s; :class:`~laserlm.runtime.generate.Generation` turns those into
+text. The scheduler that interleaves requests calls the same runner.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
 
 from .generate import TokenEvent
 from .request import Request, new_request
+from .runner import advance, start, token_events
 from .sampling import SamplingParams, check_mode_sampling
-
-
-@dataclass
-class Emitted:
-    """A token a mode produced: ``layers`` = decoder layers its forward ran (fractional when one forward
-    produced several tokens), ``info`` = mode-specific details."""
-
-    token_id: int
-    layers: float
-    info: dict = field(default_factory=dict)
-
-
-def start(engine, mode, request: Request) -> list[Emitted]:
-    """Give ``request`` its mode state and run its prompt; returns the first token(s)."""
-    request.state = mode.new_state(engine, request)
-    request.started = True
-    return record(request, mode.prefill(engine, request))
-
-
-def advance(engine, mode, request: Request) -> list[Emitted]:
-    """One step of ``request`` (it must have been started and have ``remaining > 0``)."""
-    return record(request, mode.step(engine, request))
 
 
 def summarize(mode, request: Request) -> dict:
     """``mode.summary(request)`` for a started request; ``{}`` for one whose mode never ran (no state)."""
     return mode.summary(request) if request.started else {}
-
-
-def record(request: Request, emitted: list[Emitted]) -> list[Emitted]:
-    """Append ``emitted`` (cut to ``request.remaining``) to the request's tokens; returns what was kept."""
-    emitted = emitted[:max(request.remaining, 0)]
-    for e in emitted:
-        request.output_ids.append(int(e.token_id))
-        request.infos.append(e.info)
-    return emitted
 
 
 class RequestRun:
@@ -76,7 +46,6 @@ class RequestRun:
     def summary(self) -> dict:
         return summarize(self.mode, self.request)
 
-    @torch.inference_mode()
     def _run(self) -> Iterator[TokenEvent]:
         req = self.request
         if req.max_tokens <= 0:
@@ -85,8 +54,7 @@ class RequestRun:
         emitted = start(self.engine, self.mode, req)
         while True:
             now = time.perf_counter()
-            for i, e in enumerate(emitted):
-                yield TokenEvent(e.token_id, e.layers, (now - t0) if i == 0 else 0.0, e.info)
+            yield from token_events(emitted, now - t0)
             if req.remaining <= 0:
                 return
             t0 = now

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidArgumentError
-from .loop import Emitted
+from .runner import Emitted
 
 
 @dataclass
@@ -40,7 +40,7 @@ class Mode:
     A mode subclasses this and overrides :meth:`prefill`, :meth:`step` and :meth:`score`; everything else has a
     default that is right for a mode that produces one token per forward, one request at a time. ``engine`` is a
     :class:`~laserlm.runtime.engine.Engine`, ``request`` a :class:`~laserlm.runtime.request.Request`;
-    ``prefill``/``step`` return :class:`~laserlm.runtime.loop.Emitted` tokens.
+    ``prefill``/``step`` return :class:`~laserlm.runtime.runner.Emitted` tokens.
 
     Capabilities the scheduler, loop and server read (class attributes, never probed by name):
 

@@ -36,7 +36,7 @@ class Request:
         request_id: a process-unique id.
         prefilled: prompt positions already in ``cache`` before the mode's ``prefill`` runs (a shared prefix,
             earlier prefill chunks; :mod:`laserlm.runtime.scheduler`); the mode computes the rest.
-        started: the mode has given the request its state (:func:`laserlm.runtime.loop.start`).
+        started: the mode has given the request its state (:func:`laserlm.runtime.runner.start`).
     """
 
     prompt_ids: torch.Tensor

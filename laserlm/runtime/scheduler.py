@@ -46,7 +46,7 @@ from ..errors import InvalidArgumentError, PoolFullError, QueueFullError
 from .eviction import parse_eviction
 from .generate import TokenEvent
 from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedCache, budget_amount
-from .loop import Emitted, advance, record, start
+from .runner import Emitted, advance, advance_batch, prefill_chunk, start, token_events
 from .modes import FullDepth
 from .options import is_int, is_number
 from .request import Request, check_prompt_ids
@@ -326,17 +326,10 @@ class Scheduler:
         key = seq.mode.prefill_key
         left = req.prompt_ids.numel() - req.prefilled
         if key is not None and left > budget:
-            p = req.prefilled
-            with torch.inference_mode():
-                h, st = eng.begin(req.prompt_ids[p:p + budget].unsqueeze(0), start=p, cache=req.cache)
-                eng.run_layers(0, eng.num_layers, h, st)
-                eng.commit(st)
-            req.prefilled = p + budget
+            prefill_chunk(eng, req, budget)
             self.stats["prefill_chunks"] += 1
             return budget
-        with torch.inference_mode():
-            emitted = start(eng, seq.mode, req)
-        req.prefilled = req.prompt_ids.numel()
+        emitted = start(eng, seq.mode, req)
         self.stats["prefill_chunks"] += 1
         if self._prefix_cache and key is not None:
             req.cache.register_prefix(req.prompt_ids.tolist(), key)
@@ -376,14 +369,13 @@ class Scheduler:
             budget -= self._prefill(s, budget)
         batches, single = self._groups(decoding)
         for rows in batches:
-            emitted = rows[0].mode.step_batch(self.engine, [s.request for s in rows])
+            emitted = advance_batch(self.engine, rows[0].mode, [s.request for s in rows])
             self.stats["batched_forwards"] += 1
             self.stats["batched_rows"] += len(rows)
             for s, e in zip(rows, emitted):
-                self._emit(s, record(s.request, e))
+                self._emit(s, e)
         for s in sorted(single, key=decoding.index):
-            with torch.inference_mode():
-                emitted = advance(self.engine, s.mode, s.request)
+            emitted = advance(self.engine, s.mode, s.request)
             self.stats["single_steps"] += 1
             self._emit(s, emitted)
             self._return_skipped(s)
@@ -409,9 +401,9 @@ class Scheduler:
     def _emit(self, seq: Sequence, emitted: list[Emitted]) -> None:
         now = time.perf_counter()
         prev = seq.t_last if seq.events else seq.t_submit
-        for i, e in enumerate(emitted):
-            seq.events.append(TokenEvent(int(e.token_id), e.layers, (now - prev) if i == 0 else 0.0, e.info))
-            if int(e.token_id) in seq.eos_ids:
+        for ev in token_events(emitted, now - prev):
+            seq.events.append(ev)
+            if ev.token_id in seq.eos_ids:
                 seq.finish_reason = "eos"
                 break
         seq.t_last = now

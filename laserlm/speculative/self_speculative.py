@@ -92,7 +92,7 @@ from typing import Callable, Literal, Optional, Union
 import torch
 
 from ..errors import InvalidArgumentError
-from ..runtime.loop import Emitted
+from ..runtime.runner import Emitted
 from ..runtime.modes import FullDepth, Mode, ScoreOutput
 from ..runtime.options import from_spec, is_int, is_number
 from ..runtime.sampling import check_finite, probabilities
