@@ -66,7 +66,7 @@ def _paragraphs(text: str, min_words: int, max_words: int) -> list[str]:
 
 def _functions(n: int) -> list[tuple[str, str]]:
     out = []
-    for rel in ("laserlm/runtime/sampling.py", "laserlm/speculative/drafts.py", "laserlm/runtime/options.py",
+    for rel in ("laserlm/runtime/sampling.py", "laserlm/speculative/proposers.py", "laserlm/runtime/options.py",
                 "laserlm/runtime/generate.py"):
         src = (ROOT / rel).read_text(encoding="utf-8")
         for node in ast.parse(src).body:

@@ -21,8 +21,8 @@ from laserlm.runtime import Engine
 from laserlm.runtime.loop import generate_tokens
 from laserlm.runtime.sampling import SamplingParams, probabilities
 from laserlm.speculative import SpeculativeDecoding
-from laserlm.speculative.drafts import (BUDGET_EPS, DraftPolicy, LossBudget, NgramIndex, SuffixCache, affordable,
-                                       expected_tokens, verify_cost)
+from laserlm.speculative.policy import BUDGET_EPS, DraftPolicy, LossBudget, affordable, expected_tokens, verify_cost
+from laserlm.speculative.proposers import NgramIndex, SuffixCache
 from test_speculative import (ALPHA, _prompt_ids, _reference, chi2_pvalue, exact_marginals, hf_greedy,
                               one_thread, tiny_model)  # noqa: F401  (one_thread is a fixture)
 
@@ -77,7 +77,7 @@ def test_suffix_cache_drafts_from_earlier_requests_only():
 
 
 def test_table_cost_interpolates_and_extrapolates():
-    from laserlm.speculative.drafts import table_cost
+    from laserlm.speculative.policy import table_cost
 
     table = {1: 1.0, 2: 1.5, 4: 2.5, 8: 4.5}
     assert [table_cost(w, table) for w in (1, 2, 3, 8, 12)] == [1.0, 1.5, 2.0, 4.5, 6.5]
@@ -120,7 +120,7 @@ def test_plain_steps_observe_the_lookup_proposals_for_free():
     """A plain step whose lookup proposed a draft counts one trial of that key (a success iff the emitted token is
     the proposal's first): misses observed this way stop the drafts without paying a probe, hits bring them back,
     and a key not observed still relaxes towards its prior."""
-    from laserlm.speculative.drafts import table_cost
+    from laserlm.speculative.policy import table_cost
 
     # a verify that costs 0.3 plain steps per extra row (the price is not what this tests)
     cost = lambda m: table_cost(m + 1, {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9, 8: 3.1})  # noqa: E731
@@ -262,7 +262,7 @@ def test_packed_weights_price_the_verify_with_their_own_cost_table(one_thread):
     ``verify_cost`` keeps the log model, and float weights are unchanged. Greedy output still equals full depth."""
     from laserlm.models import kernels
     from laserlm.models.packing import pack_model
-    from laserlm.speculative.drafts import PACKED_VERIFY_TABLES
+    from laserlm.speculative.policy import PACKED_VERIFY_TABLES
 
     model = tiny_model(vocab=64)
     float_engine = Engine(copy.deepcopy(model), max_seq_len=128)

@@ -52,7 +52,7 @@ tokens matched in the request's prompt and generated text), ``suffix`` (a bounde
 requests of this mode object, after SuffixDecoding, Oliaro et al. 2024; ``suffix_tokens`` bounds it) and
 ``layers``. Lookup drafts are verified from layer 0 (there is no draft computation to reuse) and, when
 sampling, accepted with the rule for deterministic drafts (``q = one-hot(d)``: accept with probability
-``p(d)``, else sample from ``p`` without ``d``; :mod:`laserlm.speculative.drafts`). With ``adaptive`` (the
+``p(d)``, else sample from ``p`` without ``d``; :mod:`laserlm.speculative.proposers`). With ``adaptive`` (the
 default when a lookup source is named) a per-step policy picks the source and the draft length that
 maximise the expected tokens per unit of cost from the request's recent acceptance, and drafts nothing
 (a plain full-depth step) when no draft is expected to pay; ``adaptive=0`` always drafts as much as the
@@ -74,7 +74,7 @@ lookup sources until a cycle of its own has run. Example: ``speculative:draft=he
 **Loss budget.** ``loss_budget=B`` (plain steps; off by default: it refuses more gains than it saves; ``0`` or
 ``off`` disables it) bounds what drafts that do not pay can cost a request: a cycle may only draft lengths whose
 predicted waste fits the request's bank, and the bank is settled with the *measured* cycle time over the
-request's own plain-cycle time (:class:`~.drafts.LossBudget`; the first decode step is a plain step that times
+request's own plain-cycle time (:class:`~.policy.LossBudget`; the first decode step is a plain step that times
 the reference). A request then runs at most ``B`` plain steps + 2 % slower than plain decoding (plus at most one
 cycle's misprediction of the cost model). Stats: ``cost_steps`` (measured cost of the cycles, plain steps),
 ``predicted_steps`` (the cost model's), ``budget_refused`` / ``budget_shortened`` (cycles whose draft the budget
@@ -92,14 +92,33 @@ from typing import Callable, Literal, Optional, Union
 import torch
 
 from ..errors import InvalidArgumentError
-from ..runtime.runner import Emitted
 from ..runtime.modes import FullDepth, Mode, ScoreOutput
 from ..runtime.options import from_spec, is_int, is_number
+from ..runtime.runner import Emitted
 from ..runtime.sampling import check_finite, probabilities
-from .drafts import (DEFAULT_LOSS_BUDGET, DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS,
-                     DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, DraftPolicy, LossBudget,
-                     NgramIndex, SuffixCache, affordable, check_loss_budget, check_ngram, check_suffix_tokens,
-                     packed_verify_table, parse_draft, table_cost, verify_cost)
+from .policy import (
+    DEFAULT_LOSS_BUDGET,
+    DEFAULT_VERIFY_BASE,
+    DEFAULT_VERIFY_COST,
+    DraftPolicy,
+    LossBudget,
+    affordable,
+    check_loss_budget,
+    packed_verify_table,
+    table_cost,
+    verify_cost,
+)
+from .proposers import (
+    DEFAULT_MAX_NGRAM,
+    DEFAULT_MIN_MATCH,
+    DEFAULT_SUFFIX_TOKENS,
+    NgramIndex,
+    SuffixCache,
+    check_ngram,
+    check_suffix_tokens,
+    parse_draft,
+)
+from .verify import accept
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
 
@@ -185,10 +204,10 @@ class SpeculativeStats:
 
 class SpeculativeState(SpeculativeStats):
     """A request's state: its :class:`SpeculativeStats` (the dataclass fields, all that ``asdict`` and the
-    summary see) plus the draft machinery: ``index`` (:class:`~.drafts.NgramIndex` of prompt + output, or
-    ``None`` without a lookup source), ``policy`` (:class:`~.drafts.DraftPolicy`), ``head_fraction`` (the
+    summary see) plus the draft machinery: ``index`` (:class:`~.policy.NgramIndex` of prompt + output, or
+    ``None`` without a lookup source), ``policy`` (:class:`~.policy.DraftPolicy`), ``head_fraction`` (the
     LM head's share of a full-depth step, from parameter counts, for the shallow draft's cost) and ``budget``
-    (:class:`~.drafts.LossBudget`, or ``None`` without a loss budget)."""
+    (:class:`~.policy.LossBudget`, or ``None`` without a loss budget)."""
 
     def __init__(self, index: NgramIndex | None = None, policy: DraftPolicy | None = None,
                  head_fraction: float = 0.2, budget: LossBudget | None = None):
@@ -242,10 +261,10 @@ class SpeculativeDecoding(Mode):
             (:meth:`suffix_cache`, kept in ``engine.shared``) is shared by every request the engine runs with the
             same ``suffix_tokens`` and ``max_ngram``.
         verify_cost, verify_base: ``a`` and ``b`` of the verify cost model ``c(w) = 1 + b + a log2(w)``
-            (``w >= 2``; the relative cost of a ``w``-position full-depth forward, :func:`~.drafts.verify_cost`),
+            (``w >= 2``; the relative cost of a ``w``-position full-depth forward, :func:`~.policy.verify_cost`),
             numbers in ``[0, 16]`` (defaults 0.36 and 0.34, fitted on smollm2-135m on 1 CPU thread).
         ngram: a custom lookup-draft object with ``lookup(index, k, min_match) -> (n, tokens)`` (tests and
-            experiments; default: the request's :class:`~.drafts.NgramIndex` lookup).
+            experiments; default: the request's :class:`~.policy.NgramIndex` lookup).
         batch_above: under continuous batching (:mod:`laserlm.runtime.scheduler`), when more than this many
             requests of the mode decode at once, they take one plain batched full-depth step together instead of
             a draft + verify cycle each, in ``[1, 4096]`` (default 2). Each cycle is a forward of its own, so
@@ -253,7 +272,7 @@ class SpeculativeDecoding(Mode):
             reason (``speculative_disable_by_batch_size``). Output stays lossless: a plain step samples the full
             model's distribution.
         loss_budget: plain full-depth steps a request may lose to drafts that do not pay (module docstring,
-            :class:`~.drafts.LossBudget`), a number in ``[0, 64]`` or ``"off"`` (= 0, no budget); default ``None``:
+            :class:`~.policy.LossBudget`), a number in ``[0, 64]`` or ``"off"`` (= 0, no budget); default ``None``:
             off (a first probe that misses overdraws the bank and ends drafting for the request, which costs more gains
             on grounded prompts than it saves).
         draft_head: a :class:`~.draft_head.DraftModel` (required when ``draft`` names ``head``); ``head_name`` labels
@@ -656,36 +675,8 @@ class SpeculativeDecoding(Mode):
             h = engine.run_layers(0, n_layers, h_in, state)
         engine.commit(state)
         p_logits = engine.head(h)[0]  # [m+1, V]
-        # 3. accept
-        if params.greedy:
-            target = check_finite(p_logits).argmax(-1).tolist()
-            a = 0
-            while a < m and drafts[a] == target[a]:
-                a += 1
-            last = target[a]
-        else:
-            p = probabilities(p_logits, params)
-            a, last = 0, None
-            while a < m:
-                d = drafts[a]
-                # speculative sampling (Leviathan et al. 2023, Alg. 1): accept with min(1, p(d) / q(d)); a
-                # deterministic draft has q = one-hot(d), so the ratio is p(d)
-                q_d = float(q_probs[a][d]) if q_probs is not None else 1.0
-                ratio = float(p[a, d]) / q_d
-                if ratio >= 1.0 or float(torch.rand((), generator=gen)) < ratio:
-                    a += 1
-                    continue
-                if q_probs is not None:
-                    residual = (p[a] - q_probs[a]).clamp_min(0)
-                else:  # norm(max(0, p - one-hot(d))): p without d
-                    residual = p[a].clone()
-                    residual[d] = 0.0
-                if float(residual.sum()) <= 0:  # p == q: rejection has probability 0; guard rounding
-                    residual = p[a]
-                last = int(torch.multinomial(residual, 1, generator=gen))
-                break
-            if last is None:
-                last = int(torch.multinomial(p[m], 1, generator=gen))
+        # 3. accept (the lossless rule, :func:`.verify.accept`)
+        a, last = accept(p_logits, drafts, q_probs, params, gen)
         # 4. roll back rejected positions: keep cur and the accepted drafts
         engine.truncate(start + a + 1, cache=cache)
         if st.head is not None:  # true features of the kept positions, with the tokens that followed them
@@ -785,7 +776,7 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
     :func:`~.draft_head.load_draft_head` (a file made for other weights is refused).
 
     Without ``verify_cost`` / ``verify_base``, lookup drafts on packed weights (``Engine.fast_rows`` set:
-    ``native``, ``int4``, ``int8``) use the measured table of the kernel variant, :func:`~.drafts.packed_verify_table` (reported as
+    ``native``, ``int4``, ``int8``) use the measured table of the kernel variant, :func:`~.policy.packed_verify_table` (reported as
     ``verify_fit`` with ``"source": "packed-weights prior"``; ``verify_cost`` / ``verify_base`` are then reported as
     ``None``); float weights and ``draft=layers`` alone use the log model with the defaults above. On packed
     weights ``verify_cost=auto`` measures only the widths up to ``fast_rows``.
