@@ -355,3 +355,56 @@ def test_cli_export_writes_graphs_manifest_and_tensorrt_profile(tmp_path, capsys
     prof = json.loads((out / "tensorrt_profile.json").read_text())
     assert prof["batch"] == [1, 5, 6] and set(prof["graphs"]) == set(man["graphs"])
     assert (out / "tokenizer").is_dir()
+
+
+# -- the whole model with the seed's signature -----------------------------------------------------------------
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_whole_model_graph_padded_batch_equals_unpadded_rows(family, tmp_path):
+    """``input_ids`` + ``attention_mask`` -> ``logits`` (seed 004 §3.1): a batch with a left-padded, a right-padded
+    and a full row gives each row's own logits at its token positions within 1e-4, and an unpadded row equals
+    the transformers model's logits (the independent reference). Gemma3's sliding window (4) is shorter than the
+    rows, so the window mask runs on padded positions too."""
+    from laserlm.export.onnx import export_whole_model
+
+    import copy
+
+    model = tiny_llama() if family == "llama" else tiny_gemma3()
+    reference = copy.deepcopy(model)  # the unmodified transformers model (the engine installs its own attention)
+    eng = Engine(model, max_seq_len=MAX_LEN)
+    path = tmp_path / "model.onnx"
+    info = export_whole_model(eng, path, max_len=32)
+    assert info["bytes"] > 0
+    sess = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["input_ids", "attention_mask"]
+    assert [o.name for o in sess.get_outputs()] == ["logits"]
+    assert sess.get_inputs()[0].shape == ["batch", "seq_len"]
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randint(1, eng.config.vocab_size, (n,), generator=g) for n in (7, 4, 10)]
+    T = 10
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    ids[0, T - 7:], mask[0, T - 7:] = rows[0], 1  # left padding
+    ids[1, :4], mask[1, :4] = rows[1], 1  # right padding
+    ids[2], mask[2] = rows[2], 1
+    (batch,) = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    batch = torch.from_numpy(batch)
+    for i, r in enumerate(rows):
+        n = r.numel()
+        ones = torch.ones(1, n, dtype=torch.long)
+        (alone,) = sess.run(None, {"input_ids": r[None].numpy(), "attention_mask": ones.numpy()})
+        alone = torch.from_numpy(alone)[0]
+        got = batch[i][mask[i].bool()]
+        assert float((got - alone).abs().max()) < 1e-4, i
+        with torch.no_grad():
+            ref = reference(r[None]).logits[0].float()
+        assert rel(alone, ref) < 1e-4, i
+
+
+def test_whole_model_export_refuses_a_directory_and_a_long_max_len(tmp_path):
+    from laserlm.export.onnx import export_whole_model
+
+    eng = Engine(tiny_llama(), max_seq_len=MAX_LEN)
+    with pytest.raises(InvalidArgumentError, match="directory"):
+        export_whole_model(eng, tmp_path)
+    with pytest.raises(InvalidArgumentError, match="max-len"):
+        export_whole_model(eng, tmp_path / "m.onnx", max_len=MAX_LEN + 1)

@@ -50,6 +50,10 @@ def add_parser(sub) -> None:
                         "%(default)s)")
     o.add_argument("--max-batch", type=int, default=None,
                    help="declared maximum batch (default: ceil(1.2 x --peak-concurrency))")
+    o.add_argument("--whole-model", action="store_true",
+                   help="instead: one graph of the whole model with seed 004's signature, input_ids + attention_mask "
+                        "-> logits (dynamic batch and seq_len up to --max-len, padding on either side, no KV cache), "
+                        "written as DIR/model.onnx with the tokenizer; float32 weights only")
     o.add_argument("--no-tensorrt", action="store_true", help="do not write the TensorRT build profile")
     o.add_argument("--threads", "-t", type=int, default=None, help="CPU threads for the export")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -76,12 +80,24 @@ def cmd_export_onnx(args) -> int:
         raise InvalidArgumentError(f"--out {out} is a file; give a directory")
     if args.laser is not None and not Path(args.laser).is_file():
         raise InvalidArgumentError(f"laser file not found: {args.laser}")
+    if args.whole_model and (args.weights != "fp32" or args.laser is not None or args.groups is not None):
+        raise InvalidArgumentError("--whole-model exports the float32 model as one graph: drop --weights / --laser / "
+                                   "--groups (they shape the per-group export)")
     apply_threads(args)
     from ..api import load  # noqa: PLC0415
 
     from ..cli_common import lora_from_args  # noqa: PLC0415
 
     lora = lora_from_args(args)
+    if args.whole_model:
+        from .onnx import export_whole_model  # noqa: PLC0415
+
+        lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None, lora=lora)
+        info = export_whole_model(lm.engine, out / "model.onnx", max_len=min(args.max_len, lm.engine.max_seq_len))
+        lm.tokenizer.save_pretrained(str(out / "tokenizer"))
+        print(f"exported the whole model ({info['bytes'] / 2**20:.0f} MiB, opset 13; input_ids, attention_mask -> "
+              f"logits, up to {info['max_len']} tokens) to {info['path']} in {info['seconds']:.1f} s")
+        return 0
     lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None, lora=lora)
     packed = None if args.weights == "fp32" else load(args.model, dtype="float32", weights=args.weights,
                                                       lora=lora).engine

@@ -13,6 +13,10 @@ graph, so there is one graph per layer group and the runtime chooses the exits).
 - :class:`AdapterGraph`: a trained exit head's adapter (:meth:`laserlm.depth.heads.ExitHead.adapt`),
   ``hidden [B, T, d] -> hidden [B, T, d]``; the exit head is this graph followed by the final head graph.
 - :class:`HeadGraph`: final norm + LM head (+ Gemma soft cap): ``hidden [B, T, d] -> logits [B, T, V]`` float32.
+- :class:`WholeModelGraph`: the whole model with seed 004 §3.1's signature, ``input_ids [B, T]`` and
+  ``attention_mask [B, T]`` (1 = token, 0 = padding, left or right) -> ``logits [B, T, V]``; no KV cache. A row's
+  positions count its tokens only (``cumsum(mask) - 1``) and no query sees a padding key, so a padded row gives
+  its unpadded logits at its token positions.
 
 The decoder layers are the transformers modules themselves, called with a small cache object and an attention
 function registered for the export (:data:`EXPORT_ATTENTION`), so the graph computes what the engine computes.
@@ -40,9 +44,15 @@ def export_attention(module, query, key, value, attention_mask, scaling=None, dr
     """
     q_pos = _local.positions  # [B, T]
     s = key.shape[2]
-    k_pos = torch.arange(s, dtype=q_pos.dtype).view(1, 1, s)
+    key_mask = getattr(_local, "key_mask", None)  # [B, S] bool (whole-model graph: keys are this call's tokens)
+    if key_mask is None:
+        k_pos = torch.arange(s, dtype=q_pos.dtype).view(1, 1, s)
+    else:
+        k_pos = q_pos.unsqueeze(1)  # [B, 1, S]
     qp = q_pos.unsqueeze(-1)  # [B, T, 1]
     visible = k_pos <= qp
+    if key_mask is not None:
+        visible = visible & key_mask.unsqueeze(1)
     if sliding_window is not None:
         visible = visible & ((qp - k_pos) < sliding_window)
     groups = query.shape[1] // key.shape[1]
@@ -122,6 +132,37 @@ class GroupGraph(_LayerRange):
         for j in range(self.start, self.stop):
             out += list(cache.new[j])
         return tuple(out)
+
+
+class _NoPast:
+    """A cache with nothing in it: every layer attends to this call's tokens only."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return key_states, value_states
+
+
+class WholeModelGraph(_LayerRange):
+    """Embedding, every decoder layer and the final head in one graph with the seed's signature (module
+    docstring). Padding keys are masked out and positions skip the padding, so rows of different lengths batch."""
+
+    def __init__(self, engine, tables: dict):
+        super().__init__(engine, 0, engine.num_layers, tables)
+        self.embed = EmbedGraph(engine)
+        self.head = HeadGraph(engine)
+
+    def forward(self, input_ids, attention_mask):
+        mask = attention_mask.to(torch.int64)
+        positions = (torch.cumsum(mask, dim=-1) - 1).clamp(min=0)  # [B, T]
+        rope = self._rope(positions)
+        hidden = self.embed(input_ids)
+        _local.positions, _local.key_mask = positions, mask.bool()
+        try:
+            for i, layer in enumerate(self.layers):
+                hidden = layer(hidden, attention_mask=None, position_ids=positions, cache=_NoPast(),
+                               position_embeddings=rope[self.layer_types[i]])
+        finally:
+            _local.key_mask = None
+        return self.head(hidden)
 
 
 class BridgeGraph(_LayerRange):

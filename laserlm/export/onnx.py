@@ -81,6 +81,45 @@ def _export_one(module, args: tuple, path: Path, inputs: list, outputs: list) ->
                           do_constant_folding=True, dynamo=False)
 
 
+def export_whole_model(engine, path, max_len: int | None = None) -> dict:
+    """Export ``engine``'s model (float32, dense weights) as one ONNX graph with seed 004 §3.1's signature:
+    ``input_ids [batch, seq_len]`` int64 and ``attention_mask [batch, seq_len]`` int64 -> ``logits [batch, seq_len,
+    V]`` float32, opset 13, constant folding, dynamic ``batch`` and ``seq_len`` (at most ``max_len`` tokens per
+    row, the rotary tables' length). Padding may be on either side; every row needs at least one token. It has no
+    KV cache: for decoding use the per-group export (:func:`export_onnx`). Returns ``{"path", "bytes", "seconds",
+    "max_len"}``.
+
+    Raises:
+        InvalidArgumentError: packed or non-float32 weights, ``max_len`` outside ``2 .. context size``, ``path`` a
+            directory.
+    """
+    if engine.dtype != torch.float32 or getattr(engine, "_packed", None):
+        raise InvalidArgumentError("ONNX export needs the float32 dense weights: load with --weights fp32 "
+                                   f"(this model runs {engine.weights})")
+    max_len = engine.max_seq_len if max_len is None else int(max_len)
+    if not 2 <= max_len <= engine.max_seq_len:
+        raise InvalidArgumentError(f"--max-len must be in 2-{engine.max_seq_len} (the context size), got {max_len}")
+    path = Path(path)
+    if path.is_dir():
+        raise InvalidArgumentError(f"{path} is a directory; give the .onnx file to write")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tables = {t: (c[:max_len], s[:max_len]) for t, (c, s) in G.rope_tables(engine).items()}
+    attn = G.register_export_attention()
+    saved = engine.config._attn_implementation
+    t0 = time.perf_counter()
+    try:
+        engine.config._attn_implementation = attn
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        io = [_io("input_ids", "int64", ["batch", "seq_len"]), _io("attention_mask", "int64", ["batch", "seq_len"])]
+        with torch.no_grad():
+            _export_one(G.WholeModelGraph(engine, tables), (ids, torch.ones_like(ids)), path, io,
+                        [_io("logits", "float32", ["batch", "seq_len", engine.config.vocab_size])])
+    finally:
+        engine.config._attn_implementation = saved
+    return {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2),
+            "max_len": max_len}
+
+
 def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, max_len: int | None = None,
                 progress: bool = True, tokenizer=None, packed=None, accuracy_level: int = 4) -> dict:
     """Export ``engine``'s model (float32, dense weights) to ``out_dir``; returns the manifest (also written as
