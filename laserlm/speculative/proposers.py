@@ -1,5 +1,6 @@
-"""Draft proposers without a model: n-gram (prompt lookup) drafts and a bounded suffix cache. The per-step policy
-that picks a source and a draft length is :mod:`.policy`.
+"""Draft proposers: n-gram (prompt lookup) drafts and a bounded suffix cache (no model), the shallow path
+(:func:`propose_shallow`) and a trained draft head (:func:`propose_head`). The per-step policy that picks a
+source and a draft length is :mod:`.policy`; the acceptance rule, :mod:`.verify`.
 
 Sources:
 
@@ -15,8 +16,8 @@ Sources:
   same n-gram maps, bounded to ``max_tokens`` stored tokens (oldest requests are evicted first). It is a
   hashed n-gram index rather than a suffix tree: matches are at most ``max_ngram`` tokens long and a draft
   is the single continuation of the most recent occurrence (no frequency-weighted tree of continuations).
-- **shallow path** (the model's first layers): lives in :mod:`.self_speculative`.
-- **draft head** (a trained EAGLE-style layer on the model's last features): :mod:`.draft_head`.
+- **shallow path** (the model's first layers and an exit head): :func:`propose_shallow`.
+- **draft head** (a trained EAGLE-style layer on the model's last features, :mod:`.draft_head`): :func:`propose_head`.
 
 Lookup drafts have no draft distribution: they are *deterministic* drafts, ``q = one-hot(d)``. The lossless
 acceptance rule for them is the speculative-sampling rule (Leviathan et al. 2023, Algorithm 1; Chen et al.
@@ -29,8 +30,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from ..errors import InvalidArgumentError
 from ..runtime.options import is_int
+from ..runtime.sampling import check_finite, probabilities
 
 MAX_NGRAM = 16
 DEFAULT_MAX_NGRAM = 3
@@ -220,5 +224,62 @@ class SuffixCache:
         return 0, []
 
 
+@torch.inference_mode()
+def propose_shallow(engine, request, cur: int, k: int, draft_layers: int, head, reuse: bool,
+                    threshold: float) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor], int]:
+    """The shallow path (the model's first ``draft_layers`` layers and an exit ``head``): up to ``k`` tokens after
+    ``cur``, written into the request's cache at the positions they will be verified at (the verify rewrites them).
+
+    Stops early when the head's top probability falls below ``threshold``. With ``reuse`` one more step computes the
+    last draft's layer-``draft_layers`` hidden state, so the verify can start from there. Returns ``(drafts,
+    q [V] per sampled draft (empty when greedy), layer-N hiddens [1, 1, d] per step, steps)``."""
+    params, cache, gen = request.params, request.cache, request.generator
+    start = cache.length
+    drafts: list[int] = []
+    q_probs: list[torch.Tensor] = []
+    hiddens: list[torch.Tensor] = []
+    x = cur
+    steps = 0
+    for j in range(k + 1):
+        if j == k and not reuse:
+            break  # without reuse the verify computes the last draft's lower layers itself
+        h, state = engine.begin(torch.tensor([[x]]), start=start + j, cache=cache)
+        h = engine.run_layers(0, draft_layers, h, state)
+        engine.commit(state)
+        steps += 1
+        hiddens.append(h)
+        if j == k:
+            break  # the last draft only needs its layer-N hidden state (for reuse)
+        logits = check_finite(head(h)[0, -1].float())
+        if threshold > 0 and float(torch.softmax(logits, dim=-1).max()) < threshold:
+            break
+        if params.greedy:
+            x = int(logits.argmax())
+        else:
+            q = probabilities(logits, params)
+            x = int(torch.multinomial(q, 1, generator=gen))
+            q_probs.append(q)
+        drafts.append(x)
+    return drafts, q_probs, hiddens, steps
+
+
+def propose_head(engine, request, k: int, draft_model, head_threshold: float):
+    """Up to ``k`` tokens from a trained draft head (:func:`~.draft_head.draft_chain`) on the request's feature
+    state; ``(drafts, q or None)``: sampled drafts carry the head's distribution over the whole vocabulary (zero
+    outside the head's own)."""
+    from .draft_head import draft_chain  # noqa: PLC0415
+
+    params, gen = request.params, request.generator
+    sample = None
+    if not params.greedy:
+        def sample(lg):
+            full = torch.full((engine.config.vocab_size,), float("-inf"))
+            full[draft_model.vocab_ids] = lg
+            q = probabilities(full, params)
+            return int(torch.multinomial(q, 1, generator=gen)), q
+    return draft_chain(draft_model, request.state.head, k, head_threshold, sample)
+
+
 __all__ = ["DEFAULT_MAX_NGRAM", "DEFAULT_MIN_MATCH", "DEFAULT_SUFFIX_TOKENS", "MAX_NGRAM", "MAX_SUFFIX_TOKENS",
-           "NgramIndex", "SOURCES", "SuffixCache", "check_ngram", "check_suffix_tokens", "parse_draft"]
+           "NgramIndex", "SOURCES", "SuffixCache", "check_ngram", "check_suffix_tokens", "parse_draft",
+           "propose_head", "propose_shallow"]

@@ -95,29 +95,10 @@ from ..errors import InvalidArgumentError
 from ..runtime.modes import FullDepth, Mode, ScoreOutput
 from ..runtime.options import from_spec, is_int, is_number
 from ..runtime.runner import Emitted
-from ..runtime.sampling import check_finite, probabilities
-from .policy import (
-    DEFAULT_LOSS_BUDGET,
-    DEFAULT_VERIFY_BASE,
-    DEFAULT_VERIFY_COST,
-    DraftPolicy,
-    LossBudget,
-    affordable,
-    check_loss_budget,
-    packed_verify_table,
-    table_cost,
-    verify_cost,
-)
-from .proposers import (
-    DEFAULT_MAX_NGRAM,
-    DEFAULT_MIN_MATCH,
-    DEFAULT_SUFFIX_TOKENS,
-    NgramIndex,
-    SuffixCache,
-    check_ngram,
-    check_suffix_tokens,
-    parse_draft,
-)
+from .policy import (DEFAULT_LOSS_BUDGET, DEFAULT_VERIFY_BASE, DEFAULT_VERIFY_COST, DraftPolicy, LossBudget,
+                     affordable, check_loss_budget, packed_verify_table, table_cost, verify_cost)
+from .proposers import (DEFAULT_MAX_NGRAM, DEFAULT_MIN_MATCH, DEFAULT_SUFFIX_TOKENS, NgramIndex, SuffixCache,
+                        check_ngram, check_suffix_tokens, parse_draft, propose_head, propose_shallow)
 from .verify import accept
 
 ExitHead = Callable[[torch.Tensor], torch.Tensor]  # hidden [B, T, d] -> logits [B, T, V]
@@ -597,53 +578,6 @@ class SpeculativeDecoding(Mode):
         model's (computed at full depth; ``layers`` = L for every position)."""
         return FullDepth().score(engine, input_ids)
 
-    def _draft_layers(self, engine, request, cur: int, k: int):
-        """Shallow-path draft of up to ``k`` tokens; returns (drafts, q probabilities, layer-N hiddens, steps)."""
-        params, cache, gen = request.params, request.cache, request.generator
-        n_draft = self.draft_layers
-        head = self.exit_head or engine.head
-        start = cache.length
-        drafts: list[int] = []
-        q_probs: list[torch.Tensor] = []
-        hiddens: list[torch.Tensor] = []
-        x = cur
-        steps = 0
-        for j in range(k + 1):
-            if j == k and not self.reuse:
-                break  # without reuse the verify computes the last draft's lower layers itself
-            h, state = engine.begin(torch.tensor([[x]]), start=start + j, cache=cache)
-            h = engine.run_layers(0, n_draft, h, state)
-            engine.commit(state)
-            steps += 1
-            hiddens.append(h)
-            if j == k:
-                break  # the last draft only needs its layer-N hidden state (for reuse)
-            logits = check_finite(head(h)[0, -1].float())
-            if self.threshold > 0 and float(torch.softmax(logits, dim=-1).max()) < self.threshold:
-                break
-            if params.greedy:
-                x = int(logits.argmax())
-            else:
-                q = probabilities(logits, params)
-                x = int(torch.multinomial(q, 1, generator=gen))
-                q_probs.append(q)
-            drafts.append(x)
-        return drafts, q_probs, hiddens, steps
-
-    def _draft_head(self, engine, request, k: int):
-        """Up to ``k`` tokens from the draft head (:func:`~.draft_head.draft_chain`); ``(drafts, q or None)``."""
-        from .draft_head import draft_chain  # noqa: PLC0415
-
-        params, gen, dm = request.params, request.generator, self.draft_head
-        sample = None
-        if not params.greedy:
-            def sample(lg):
-                full = torch.full((engine.config.vocab_size,), float("-inf"))
-                full[dm.vocab_ids] = lg
-                q = probabilities(full, params)
-                return int(torch.multinomial(q, 1, generator=gen)), q
-        return draft_chain(dm, request.state.head, k, self.head_threshold, sample)
-
     def _cycle(self, engine, request, cur: int, source: str, k: int,
                lookup: list[int] | None) -> tuple[list[int], int, float]:
         """One draft + verify cycle from ``cur``; returns (emitted tokens, drafted count, layer passes).
@@ -659,10 +593,12 @@ class SpeculativeDecoding(Mode):
         reuse = False
         q_probs: list[torch.Tensor] | None = None  # None: deterministic drafts (q = one-hot)
         if source == "layers" and k > 0:
-            drafts, q_probs, hiddens, steps = self._draft_layers(engine, request, cur, k)
+            drafts, q_probs, hiddens, steps = propose_shallow(engine, request, cur, k, self.draft_layers,
+                                                              self.exit_head or engine.head, self.reuse,
+                                                              self.threshold)
             reuse = self.reuse
         elif source == "head" and k > 0:
-            drafts, q_probs = self._draft_head(engine, request, k)
+            drafts, q_probs = propose_head(engine, request, k, self.draft_head, self.head_threshold)
         else:
             drafts = list(lookup[:k]) if lookup is not None else []
         m = len(drafts)
