@@ -1,10 +1,11 @@
 """One entry point for the maintained benchmark scenarios: ``python benchmarks/run.py SCENARIO [-- EXTRA ARGS]``.
 
-Each scenario runs one maintained script with the arguments that produced the current figure in RESULTS.md's
-"Where laserlm stands" table and writes its JSON to ``benchmarks/out/<scenario>.json`` (``--out`` overrides).
+Each scenario runs one maintained script with the arguments of the current figure in RESULTS.md's "Where laserlm
+stands" table (from the repository root) and, where the script writes JSON, to ``benchmarks/out/<scenario>.json``
+(its own ``--out``/``--json`` after ``--`` overrides; ``paged-batch`` and ``draft-head`` only print).
 Extra arguments after ``--`` go to the script unchanged (e.g. ``-- --threads 2``). ``python benchmarks/run.py``
 alone lists the scenarios. Scenarios that need something this repository cannot install (a llama.cpp build, the
-shared data directory) say so before they start.
+shared data directory ``../shared/data`` beside the repository, which the scripts read) say so before they start.
 
 Run a benchmark alone on the machine (record ``uptime`` before and after): a figure taken beside other work is not
 comparable. Scripts not listed here are kept for the dated sections of RESULTS.md or live in ``history/``.
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-DATA = os.environ.get("LASERLM_DATA", str(HERE.parent.parent / "shared" / "data"))
+DATA = str(HERE.parent.parent / "shared" / "data")  # where the scripts read their data
 
 
 @dataclass
@@ -45,7 +46,8 @@ SCENARIOS = {
     "modes": Scenario("bench_depth.py", [], "adaptive depth: quality vs layers per token, every policy and bridge",
                       needs=["data"]),
     "lookup-drafts": Scenario("bench_ngram.py", ["--weights", "native", "--classes", "rewrite", "extract", "code",
-                                                 "qa", "chat"],
+                                                 "qa", "chat", "--prompts", "16", "--tokens", "64", "--repeats", "3",
+                                                 "--hf-lookup", "0", "--specs", "speculative:draft=ngram"],
                               "lossless drafts from the context against full depth, per prompt class",
                               needs=["data"]),
     "batching": Scenario("bench_batch.py", ["--weights", "native"],
@@ -76,6 +78,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.split("\n\n")[0] + "\n\nscenarios:")
         for name, sc in SCENARIOS.items():
             extra = f"  [needs: {', '.join(sc.needs)}]" if sc.needs else ""
+            extra += "" if sc.out_flag else "  [prints only]"
             print(f"  {name:<17} {sc.what} ({sc.script}){extra}")
         return 0
     name, rest = argv[0], argv[1:]
@@ -86,11 +89,13 @@ def main(argv: list[str]) -> int:
     if rest and rest[0] == "--":
         rest = rest[1:]
     if "data" in sc.needs and not Path(DATA).is_dir():
-        print(f"scenario {name!r} needs the shared data directory ({DATA}); set LASERLM_DATA", file=sys.stderr)
+        print(f"scenario {name!r} needs the shared data directory, which does not exist here: {DATA} (the "
+              "scripts read WikiText-2, ARC and the novel from it)", file=sys.stderr)
         return 2
     if "llama-bench" in sc.needs and "--llama-bench" not in rest:
-        print(f"scenario {name!r} compares with llama.cpp: add `-- --llama-bench PATH/build/bin/llama-bench` "
-              "(DESIGN.md says how to build it); without it only laserlm runs", file=sys.stderr)
+        print(f"scenario {name!r} compares with llama.cpp: add `-- --llama-bench PATH/build/bin/llama-bench` (and "
+              "`--ik-bench` for ik_llama.cpp; ../shared/DESIGN.md says how to build them); without them only laserlm "
+              "runs", file=sys.stderr)
     cmd = [sys.executable, str(HERE / sc.script), *sc.args]
     if sc.out_flag is not None and sc.out_flag not in rest:
         out = HERE / "out" / f"{name}.json"
@@ -99,7 +104,7 @@ def main(argv: list[str]) -> int:
     cmd += rest
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     env = dict(os.environ, PYTHONPATH=str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.call(cmd, env=env)
+    return subprocess.call(cmd, env=env, cwd=HERE.parent)
 
 
 if __name__ == "__main__":

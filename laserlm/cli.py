@@ -111,13 +111,13 @@ def _read_prompts(path: str) -> list:
         except OSError as exc:
             raise LaserLMError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
         name = path
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    if not lines:
+    numbered = [(i, ln) for i, ln in enumerate(text.splitlines(), 1) if ln.strip()]  # file line numbers
+    if not numbered:
         raise LaserLMError(f"no prompts in {name}")
     if not path.lower().endswith(".jsonl"):
-        return lines
+        return [ln for _, ln in numbered]
     prompts = []
-    for i, ln in enumerate(lines, 1):
+    for i, ln in numbered:
         try:
             obj = json.loads(ln)
         except json.JSONDecodeError as exc:
