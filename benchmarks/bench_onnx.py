@@ -31,14 +31,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import laserlm
     from laserlm.export.onnx import export_onnx
-    from laserlm.export.ort_backend import OnnxModel, make_onnx_mode
+    from laserlm.runtime.ort_engine import OnnxEngine, OnnxModel
 
     lm = laserlm.load(args.model, dtype="float32", weights="fp32", max_seq_len=1024)
     eng = lm.engine
     t0 = time.perf_counter()
     man = export_onnx(eng, args.out, max_len=1024, progress=False, tokenizer=lm.tokenizer)
     export_s = time.perf_counter() - t0
-    dec = make_onnx_mode(OnnxModel(args.out, threads=args.threads), "full")
+    dec = OnnxEngine(OnnxModel(args.out, threads=args.threads))
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, eng.config.vocab_size, (args.n_prompt,), generator=g)
     short = prompt[:16]
@@ -50,9 +50,9 @@ def main() -> None:
         return args.n_prompt / (time.perf_counter() - t)
 
     def ort_pp():
-        st = dec.new_state()
+        dec.reset()
         t = time.perf_counter()
-        dec.prefill(st, prompt)
+        dec.prefill(prompt.unsqueeze(0))
         return args.n_prompt / (time.perf_counter() - t)
 
     def torch_tg():
@@ -64,12 +64,11 @@ def main() -> None:
         return args.n_gen / (time.perf_counter() - t)
 
     def ort_tg():
-        st = dec.new_state()
-        tok = int(dec.prefill(st, short).argmax())
+        dec.reset()
+        tok = int(dec.prefill(short.unsqueeze(0)).logits[0, 0].argmax())
         t = time.perf_counter()
         for _ in range(args.n_gen):
-            logits, _ = dec.step(st, tok)
-            tok = int(logits.argmax())
+            tok = int(dec.decode_step(torch.tensor([tok])).logits[0, 0].argmax())
         return args.n_gen / (time.perf_counter() - t)
 
     tests = {"torch pp": torch_pp, "onnxruntime pp": ort_pp, "torch tg": torch_tg, "onnxruntime tg": ort_tg}

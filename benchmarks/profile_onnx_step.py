@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import numpy as np
+import torch
 
-from laserlm.export.ort_backend import OnnxCache, OnnxModel, make_onnx_mode
+from laserlm.runtime.ort_engine import OnnxCache, OnnxEngine, OnnxModel
 
 
 def main():
@@ -23,9 +23,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     model = OnnxModel(args.export, threads=args.threads).warm()
-    dec = make_onnx_mode(model, "full")
-    state = dec.new_state()
-    dec.prefill(state, np.arange(16) + 100)
+    dec = OnnxEngine(model)
+    dec.prefill((torch.arange(16) + 100).unsqueeze(0))
     spent = {"concat": 0.0, "check": 0.0}
 
     def timed(fn, key):
@@ -36,17 +35,16 @@ def main():
             return out
         return wrapper
 
-    run, check, append = model.run, model.check_inputs, OnnxCache.append
+    run, check, append = model.run, model.check_inputs, OnnxCache.write
     model.run = lambda name, feeds: timed(run, name)(name, feeds)  # includes its input check
     model.check_inputs = timed(check, "check")
-    OnnxCache.append = timed(append, "concat")
+    OnnxCache.write = timed(append, "concat")
     tok, n = 5, args.tokens
     t0 = time.perf_counter()
     for _ in range(n):
-        logits, _ = dec.step(state, tok)
-        tok = int(logits.argmax())
+        tok = int(dec.decode_step(torch.tensor([tok])).logits[0, 0].argmax())
     total = time.perf_counter() - t0
-    OnnxCache.append = append
+    OnnxCache.write = append
     print(f"{1000 * total / n:.2f} ms/token; ms/token per part (a graph's time includes its input check):")
     for k, v in spent.items():
         print(f"  {k}: {1000 * v / n:.3f}")

@@ -20,6 +20,7 @@ from .mode_table import make_mode
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationResult, IncrementalDecoder, encode_prompt, eos_token_ids
 from .runtime.loop import generate_tokens, summarize
+from .runtime.ort_engine import is_export_dir
 from .runtime.sampling import SamplingParams
 from .runtime.scheduler import BatchConfig, Scheduler
 
@@ -28,8 +29,10 @@ class LaserLM:
     """A loaded model with its engine.
 
     Attributes:
-        loaded: the :class:`~laserlm.models.loader.LoadedModel` (transformers model + tokenizer).
-        engine: the :class:`~laserlm.runtime.engine.Engine` (layer loop + KV cache).
+        loaded: the :class:`~laserlm.models.loader.LoadedModel` (transformers model + tokenizer); ``None`` on
+            another engine (:meth:`on_engine`).
+        engine: the :class:`~laserlm.runtime.engine.Engine` (layer loop + KV cache), or the onnxruntime engine of
+            an export directory (:class:`~laserlm.runtime.ort_engine.OnnxEngine`, :func:`load` of such a directory).
     """
 
     def __init__(self, loaded: LoadedModel, max_seq_len: int | None = None, attention=None,
@@ -41,6 +44,15 @@ class LaserLM:
         self._modes: dict[str, object] = {}  # spec -> built mode (laser files read, auto-tuning run once)
         if attention is not None or attention_options:
             self.set_attention(attention or "sparse", **attention_options)
+
+    @classmethod
+    def on_engine(cls, engine, tokenizer, eos_ids) -> LaserLM:
+        """A :class:`LaserLM` over an engine that is not built from a loaded model (the onnxruntime engine of an
+        export): the same modes, generation, streaming and scoring; no continuous batching (:meth:`scheduler`)."""
+        lm = cls.__new__(cls)
+        lm.loaded, lm.engine, lm.tokenizer, lm.eos_ids = None, engine, tokenizer, set(eos_ids)
+        lm._modes = {}
+        return lm
 
     def set_attention(self, attention="dense", **options):
         """Choose the attention kernel: ``"dense"`` (SDPA) or ``"sparse[:key=value,...]"`` (block-sparse,
@@ -56,7 +68,7 @@ class LaserLM:
 
     @property
     def model(self):
-        return self.loaded.model
+        return None if self.loaded is None else self.loaded.model
 
     @property
     def weights(self) -> str:
@@ -68,12 +80,14 @@ class LaserLM:
         """Name of the arithmetic in which the quantized weights multiply prompt chunks (``"int16"``: the block
         kernels, ``"float32"`` or ``"bfloat16"``: a GEMM); ``None`` for float weights, which multiply in their own
         dtype."""
-        if self.loaded.pack_report is None:
+        if self.loaded is None or self.loaded.pack_report is None:
             return None
         return str(self.loaded.prefill_dtype).replace("torch.", "")
 
     def describe(self) -> str:
         """One line: weight format (with the block formats of packed weights) and activation dtype."""
+        if self.loaded is None:
+            return self.engine.describe()
         dtype = str(self.engine.dtype).replace("torch.", "")
         rep = self.loaded.pack_report
         if rep is None:
@@ -94,6 +108,8 @@ class LaserLM:
                 not built yet while no builder is installed (the message says how to build it).
             DataFileError: a first build finds no calibration text.
         """
+        if self.loaded is None:  # an export: a bare adaptive is its own laser file
+            return config
         from .defaults import resolve_spec  # noqa: PLC0415
 
         return resolve_spec(self, config, progress=progress)
@@ -157,6 +173,9 @@ class LaserLM:
         Raises:
             InvalidArgumentError: bad settings.
         """
+        if self.loaded is None:
+            raise InvalidArgumentError(f"continuous batching needs laserlm's own engine (a paged KV pool); "
+                                       f"{self.engine.describe()} runs one request at a time")
         known = [f.name for f in dataclasses.fields(BatchConfig)]
         unknown = sorted(set(batch_options) - set(known))
         if unknown:
@@ -186,6 +205,8 @@ class LaserLM:
             raise InvalidArgumentError("prompts must be a list of texts or chat message lists "
                                        "(use generate() for one prompt)")
         params = SamplingParams(**sampling).validate()
+        if self.loaded is None:
+            self.scheduler()  # refuses, before anything runs
         m = self.mode(mode)
         ids = [encode_prompt(self.tokenizer, p, chat, self.engine.max_seq_len) for p in prompts]
         options = dict(batch_options or {})
@@ -257,7 +278,8 @@ class _Replay:
 def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,
          attention=None, weights: str = "auto", prefill_dtype: str = "auto", lora=None,
          **attention_options) -> LaserLM:
-    """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id.
+    """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id, or the export directory of
+    ``laserlm export onnx`` (:func:`load_onnx`; the other arguments are then fixed by the export and refused).
 
     ``weights``: ``"auto"`` (default: ``native`` for a GGUF file when ``dtype`` is not given, else dense
     float weights in ``dtype``), ``"fp32"`` (the exact reference, logits equal to transformers'),
@@ -282,5 +304,29 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
         InvalidArgumentError (bad dtype or attention options).
     """
+    if is_export_dir(name):
+        given = [k for k, v in (("dtype", dtype), ("max_seq_len", max_seq_len), ("attention", attention),
+                                ("lora", lora)) if v is not None] + [k for k, v in (("weights", weights),
+                                ("prefill_dtype", prefill_dtype)) if v != "auto"] + sorted(attention_options)
+        if given:
+            raise InvalidArgumentError(f"{name} is an ONNX export: its graphs fix {', '.join(given)} (set them with "
+                                       "`laserlm export onnx`)")
+        return load_onnx(name)
     loaded = load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype, lora=lora)
     return LaserLM(loaded, max_seq_len=max_seq_len, attention=attention, **attention_options)
+
+
+def load_onnx(path, threads: int | None = None) -> LaserLM:
+    """A :class:`LaserLM` on the onnxruntime engine of an export directory of ``laserlm export onnx``
+    (:class:`~laserlm.runtime.ort_engine.OnnxEngine`): modes ``full`` and ``adaptive`` (its exported laser file),
+    generation, streaming and scoring as on laserlm's engine. ``threads``: onnxruntime intra-op threads (default:
+    onnxruntime's).
+
+    Raises:
+        ModelNotFoundError / CorruptModelError: no valid export at ``path``, or it has no readable tokenizer.
+    """
+    from .runtime.ort_engine import OnnxEngine, OnnxModel, load_tokenizer  # noqa: PLC0415
+
+    model = OnnxModel(path, threads=threads)
+    return LaserLM.on_engine(OnnxEngine(model), load_tokenizer(model),
+                             model.manifest["model"].get("eos_token_ids", []))

@@ -184,14 +184,12 @@ def cmd_generate(args) -> int:
         raise LaserLMError("empty prompt: give some text to continue")
     if args.ctx_size is not None and args.ctx_size <= 0:
         raise LaserLMError(f"--ctx-size must be a positive integer, got {args.ctx_size}")
-    if getattr(args, "backend", "torch") == "onnxruntime":
-        from .export.cli import run_generate  # noqa: PLC0415
+    backend = getattr(args, "backend", "torch")
+    if backend == "torch":
+        check_chat_template(args)
+        from .defaults import check_before_load  # noqa: PLC0415
 
-        return run_generate(args, prompt, sampling)
-    check_chat_template(args)
-    from .defaults import check_before_load  # noqa: PLC0415
-
-    check_before_load(args.model, [args.mode])  # bare adaptive/speculative on a non-bundled model: refuse now
+        check_before_load(args.model, [args.mode])  # bare adaptive/speculative on a non-bundled model: refuse now
     lm = load_from_args(args)
     monitor = None
     if getattr(args, "monitor_ranges", False):
@@ -201,7 +199,7 @@ def cmd_generate(args) -> int:
     gen = lm.stream(prompt, chat=args.chat, mode=args.mode, **sampling)
     if args.json:
         result = gen.run()
-        out = {"model": args.model, "weights": lm.weights, "dtype": str(lm.engine.dtype).replace("torch.", ""),
+        out = {"model": args.model, "backend": backend, "weights": lm.weights, "dtype": str(lm.engine.dtype).replace("torch.", ""),
                "prefill_dtype": lm.prefill_dtype, "mode": args.mode, "text": result.text,
                **result.stats()}
         if monitor is not None:
@@ -263,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .serve import cli as serve_cli  # noqa: PLC0415
     from .training import cli as training_cli  # noqa: PLC0415
 
-    eval_cli.add_parser(sub, backends={"onnxruntime": export_cli.open_backend})
-    bench_cli.add_parser(sub, onnx=export_cli.open_decoders)
+    eval_cli.add_parser(sub)
+    bench_cli.add_parser(sub)
     for module in (training_cli, profile_cli, serve_cli, export_cli):
         module.add_parser(sub)
     return parser

@@ -139,10 +139,47 @@ def apply_threads(args) -> None:
 
 
 
-def load_from_args(args):
-    """Build a :class:`laserlm.LaserLM` from the shared model arguments."""
-    from .api import load  # noqa: PLC0415
+def check_onnx_args(args) -> None:
+    """Refuse the model-loading options that the exported graphs do not have (``generate`` and ``eval``
+    with ``--backend onnxruntime``).
 
+    Raises:
+        InvalidArgumentError: ``--weights``, ``--dtype``, ``--prefill-dtype``, ``--attention`` or a sparse-attention
+            option, or ``--ctx-size`` given.
+    """
+    if getattr(args, "weights", "auto") != "auto" or getattr(args, "dtype", None) is not None:
+        raise InvalidArgumentError("--backend onnxruntime runs the exported graphs, whose weights `laserlm export onnx "
+                                   "--weights` chose: drop --weights/--dtype")
+    if getattr(args, "prefill_dtype", "auto") != "auto":
+        raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --prefill-dtype")
+    sparse = ("sparse_threshold", "sparse_mass", "block_size", "dense_layers")
+    if getattr(args, "attention", "dense") != "dense" or any(getattr(args, k, None) is not None for k in sparse):
+        raise InvalidArgumentError("--backend onnxruntime has dense attention only: drop --attention and the "
+                                   "sparse-attention options")
+    if getattr(args, "monitor_ranges", False):
+        raise InvalidArgumentError("--backend onnxruntime cannot record layer ranges (the layers run inside the "
+                                   "graphs): drop --monitor-ranges")
+    if getattr(args, "lora", None) is not None:
+        raise InvalidArgumentError("--backend onnxruntime runs the exported graphs, whose weights include the LoRA "
+                                   "delta they were exported with: drop --lora")
+    if getattr(args, "ctx_size", None) is not None:
+        raise InvalidArgumentError("--backend onnxruntime uses the export's --max-len as context: drop --ctx-size")
+
+
+def load_from_args(args):
+    """Build a :class:`laserlm.LaserLM` from the shared model arguments; with ``--backend onnxruntime`` the export
+    directory ``--model`` on the onnxruntime engine (:func:`laserlm.api.load_onnx`, after :func:`check_onnx_args`).
+
+    Raises:
+        InvalidArgumentError: options the exported graphs do not have.
+        ModelNotFoundError / CorruptModelError / UnsupportedArchitectureError: as :func:`laserlm.load`.
+    """
+    from .api import load, load_onnx  # noqa: PLC0415
+
+    if getattr(args, "backend", "torch") == "onnxruntime":
+        check_onnx_args(args)
+        apply_threads(args)  # checks --threads; torch threads for the exit policies' small tensors
+        return load_onnx(args.model, threads=args.threads)
     apply_threads(args)
     return load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, weights=getattr(args, "weights", "auto"),
                 prefill_dtype=getattr(args, "prefill_dtype", "auto"), lora=lora_from_args(args),

@@ -12,6 +12,9 @@ this module sits above the runtime and the modes and maps names to factories ``f
 | ``early-exit`` | :func:`laserlm.depth.make_early_exit` | :mod:`laserlm.depth` |
 | ``speculative`` | :func:`laserlm.speculative.make_speculative` | :mod:`laserlm.speculative` |
 
+On the onnxruntime engine (:class:`~laserlm.runtime.ort_engine.OnnxEngine`) the table is :data:`ONNX_MODES`:
+``full`` and ``adaptive`` (:func:`laserlm.depth.ort.make_adaptive_onnx`).
+
 The API, the CLI and the tools (evaluation, bench, training) build modes with :func:`make_mode`;
 :func:`register_mode` adds a name (tests and extensions). A *configuration* (``eval`` / ``bench``) is a mode
 spec with an optional attention spec, ``MODE_SPEC[@ATTENTION]``: :func:`split_config`, :func:`config_kernel`.
@@ -22,8 +25,10 @@ from __future__ import annotations
 from typing import Callable
 
 from .depth import make_adaptive, make_early_exit, make_static
+from .depth.ort import make_adaptive_onnx
 from .errors import InvalidArgumentError
 from .runtime.modes import Mode, FullDepth, parse_spec
+from .runtime.ort_engine import OnnxEngine
 from .speculative import make_speculative
 
 
@@ -48,6 +53,11 @@ MODES: dict[str, Callable] = {
 }
 
 
+# the modes of the onnxruntime engine (laserlm.runtime.ort_engine): its graphs run whole layer groups, the
+# propagate bridge and the exported exit heads
+ONNX_MODES: dict[str, Callable] = {"full": make_full, "adaptive": make_adaptive_onnx}
+
+
 def register_mode(name: str, factory: Callable) -> None:
     """Make ``factory(engine, **options) -> Mode`` available as mode ``name``."""
     MODES[name] = factory
@@ -62,6 +72,11 @@ def make_mode(spec, engine) -> Mode:
     if not isinstance(spec, str):
         return spec
     name, opts = parse_spec(spec)
+    if isinstance(engine, OnnxEngine):  # the exported graphs run two of the modes
+        if name not in ONNX_MODES:
+            raise InvalidArgumentError(f"the onnxruntime backend runs modes {' and '.join(repr(m) for m in ONNX_MODES)}, "
+                                       f"not '{name}'")
+        return ONNX_MODES[name](engine, **opts)
     if name not in MODES:
         raise InvalidArgumentError(f"unknown mode '{name}'; available modes: {', '.join(sorted(MODES))}")
     return MODES[name](engine, **opts)

@@ -130,17 +130,18 @@ def test_eval_equals_the_pytorch_engine_full_and_adaptive(tiny, capsys):
 
 
 def test_scorer_matches_the_engine_token_by_token(tiny):
-    """OnnxScorer vs the engine's Scorer on sequences scored in one batch from different starts (padding, batch of 2):
-    the same argmax and layers at every position, log-probs within 1e-4; and the same greedy generations."""
+    """The Scorer on the onnxruntime engine vs on the PyTorch engine, sequences scored in one batch from different
+    starts (padding, batch of 2): the same argmax and layers at every position, log-probs within 1e-4; and the same
+    greedy generations through the one decode loop (``laserlm.api.load_onnx``)."""
+    from laserlm.api import load_onnx
     from laserlm.evaluation.scoring import Scorer
-    from laserlm.export.scoring import OnnxLM
 
-    lm, olm = tiny["lm"], OnnxLM(tiny["onnx"], threads=1)
+    lm, olm = tiny["lm"], load_onnx(tiny["onnx"], threads=1)
     g = torch.Generator().manual_seed(4)
     seqs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (20, 9, 33)]
     starts = [1, 5, 12]
     for spec in ("full", f"adaptive:laser={tiny['laser']}", f"adaptive:laser={tiny['laser']},patience=0"):
-        ref, got = Scorer(lm.engine, spec), olm.scorer(spec)
+        ref, got = Scorer(lm.engine, spec), Scorer(olm.engine, spec)
         assert got.batch_rows == (2 if spec == "full" else 1)
         for r, o in zip(ref.score(seqs, starts), got.score(seqs, starts)):
             assert torch.equal(o.argmax, r.argmax) and torch.equal(o.layers, r.layers), spec
@@ -151,11 +152,12 @@ def test_scorer_matches_the_engine_token_by_token(tiny):
 
 
 def test_longer_than_the_export_is_a_context_error(tiny):
+    from laserlm.api import load_onnx
     from laserlm.errors import ContextLengthError
-    from laserlm.export.scoring import OnnxLM
+    from laserlm.evaluation.scoring import Scorer
 
     with pytest.raises(ContextLengthError, match="exceeds the context size 64"):
-        OnnxLM(tiny["onnx"]).scorer("full").score([list(range(3, 3 + MAX_LEN + 2))], [1])
+        Scorer(load_onnx(tiny["onnx"]).engine, "full").score([list(range(3, 3 + MAX_LEN + 2))], [1])
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -1,7 +1,8 @@
-"""ONNX export per layer group and the onnxruntime backend (issue 16): full depth equals the PyTorch engine
-(tiny Llama, tiny Gemma3 with sliding-window layers, and the real SmolLM2), adaptive depth makes the same exit
-decisions and tokens as the engine's AdaptiveDepth with the same laser file, declared shapes are enforced, bad
-export directories and unsupported settings are clear errors, and the TensorRT profile matches the graphs."""
+"""ONNX export per layer group and the onnxruntime engine: full depth equals the PyTorch engine (tiny Llama, tiny
+Gemma3 with sliding-window layers, and the real SmolLM2), the same AdaptiveDepth mode driven over the onnxruntime
+engine's primitives makes the same exit decisions and tokens as over the PyTorch engine with the same laser file,
+the one decode loop and ``laserlm.load(export_dir)`` generate on it, declared shapes are enforced, bad export
+directories and unsupported settings are clear errors, and the TensorRT profile matches the graphs."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import torch
 from laserlm.depth import ExitGate, ExitHead, LaserArtifact, make_adaptive, save_laser_file
 from laserlm.errors import ContextLengthError, CorruptModelError, InvalidArgumentError, ModelNotFoundError
 from laserlm.export.onnx import export_onnx
-from laserlm.export.ort_backend import OnnxCache, OnnxModel, make_onnx_mode, read_manifest
 from laserlm.export.tensorrt import batch_bounds, write_profile
+from laserlm.mode_table import make_mode
 from laserlm.runtime.engine import Engine
+from laserlm.runtime.ort_engine import OnnxEngine, OnnxModel, read_manifest
 
 from test_depth import tiny_gemma3, tiny_llama
 
@@ -30,20 +32,26 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def full_depth_pair(engine, decoder, ids, steps):
-    """Greedy decoding of ``steps`` tokens on the engine and on onnxruntime, each fed its own tokens; returns the
-    token lists and the largest relative logit difference."""
+def onnx_engine(out, threads=None) -> OnnxEngine:
+    return OnnxEngine(OnnxModel(out, threads=threads))
+
+
+def full_depth_pair(engine, onnx, ids, steps):
+    """Greedy decoding of ``steps`` tokens on the PyTorch engine and on the onnxruntime engine (the same
+    ``prefill`` / ``decode_step`` calls over each one's primitives), each fed its own tokens; returns the token lists
+    and the largest relative logit difference."""
     worst = 0.0
     engine.reset()
+    onnx.reset()
     ref = engine.prefill(ids.unsqueeze(0)).logits[0, 0]
-    st = decoder.new_state()
-    got = decoder.prefill(st, ids)
+    got = onnx.prefill(ids.unsqueeze(0)).logits[0, 0]
     worst = max(worst, rel(got, ref))
     ref_tokens, got_tokens = [int(ref.argmax())], [int(got.argmax())]
     for _ in range(steps - 1):
         ref = engine.decode_step(torch.tensor([ref_tokens[-1]])).logits[0, 0]
-        got, info = decoder.step(st, got_tokens[-1])
-        assert info["exit_layer"] == engine.num_layers
+        out = onnx.decode_step(torch.tensor([got_tokens[-1]]))
+        got = out.logits[0, 0]
+        assert out.stats.layers_run == [engine.num_layers]
         worst = max(worst, rel(got, ref))
         ref_tokens.append(int(ref.argmax()))
         got_tokens.append(int(got.argmax()))
@@ -67,9 +75,8 @@ def test_full_depth_equals_the_engine_on_tiny_models(family, tiny_llama_export, 
         out = tmp_path / "g"
         export_onnx(eng, out, groups="2/4/6", progress=False)
         assert eng.config.sliding_window < 40
-    dec = make_onnx_mode(OnnxModel(out, threads=1), "full")
     ids = torch.randint(0, eng.config.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
-    ref, got, worst = full_depth_pair(eng, dec, ids, 32)
+    ref, got, worst = full_depth_pair(eng, onnx_engine(out, threads=1), ids, 32)
     assert got == ref
     assert worst < 1e-4
 
@@ -94,16 +101,16 @@ def test_manifest_describes_graphs(tiny_llama_export):
 def test_batch_of_two_rows_matches_the_engine(tiny_llama_export):
     """The batch axis is dynamic: two different prompts in one call give each row's own engine logits."""
     eng, out = tiny_llama_export
-    dec = make_onnx_mode(OnnxModel(out), "full")
+    onnx = onnx_engine(out)
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(3))
-    cache = OnnxCache(dec.model, batch=2)
-    pos = torch.arange(5).expand(2, 5).numpy().copy()
-    h = dec.embed(ids.numpy())
-    for g in range(4):
-        h = dec.group(g, h, pos, cache)
-    got = torch.from_numpy(dec.head(h))
+    got = onnx.forward(ids, logits="all", use_cache=False).logits
     ref = eng.forward(ids, logits="all", use_cache=False).logits
     assert rel(got, ref) < 1e-4
+    # and in a two-row cache, prompt then one step
+    cache = onnx.new_cache(batch_size=2)
+    onnx.prefill(ids[:, :4], cache=cache)
+    got = onnx.decode_step(ids[:, 4], cache=cache).logits
+    assert rel(got, ref[:, 4:5]) < 1e-4
 
 
 # -- adaptive depth ---------------------------------------------------------------------------------
@@ -140,18 +147,20 @@ def tiny_laser_export(tmp_path_factory):
 def test_adaptive_depth_same_exits_and_tokens_as_the_engine(tiny_laser_export, spec):
     eng, path, out = tiny_laser_export
     mode = make_adaptive(eng, laser=str(path), **({"patience": 0} if spec else {}))
-    dec = make_onnx_mode(OnnxModel(out), f"adaptive:laser={path}{spec}")
+    onnx = onnx_engine(out)
+    omode = make_mode(f"adaptive:laser={path}{spec}", onnx)
+    assert type(omode) is type(mode)  # the one AdaptiveDepth, driven over the other engine's primitives
     ids = torch.randint(0, 128, (6,), generator=torch.Generator().manual_seed(2))
     rs, cache = mode.new_state(eng), eng.new_cache()
     ref = mode.prefill_logits(eng, rs, cache, ids)
-    st = dec.new_state()
-    got = dec.prefill(st, ids)
+    ors, ocache = omode.new_state(onnx), onnx.new_cache()
+    got = omode.prefill_logits(onnx, ors, ocache, ids)
     assert rel(got, ref) < 1e-4
     ref_tok = got_tok = int(ref.argmax())
     ref_exits, got_exits, ref_toks, got_toks = [], [], [], []
     for _ in range(40):
         ref, info = mode.decode(eng, rs, cache, ref_tok)
-        got, ginfo = dec.step(st, got_tok)
+        got, ginfo = omode.decode(onnx, ors, ocache, got_tok)
         ref_exits.append(info["exit_layer"])
         got_exits.append(ginfo["exit_layer"])
         ref_tok, got_tok = int(ref.argmax()), int(got.argmax())
@@ -166,12 +175,13 @@ def test_adaptive_depth_same_exits_and_tokens_as_the_engine(tiny_laser_export, s
 
 def test_adaptive_threshold_override_changes_decisions_like_the_engine(tiny_laser_export):
     eng, path, out = tiny_laser_export
-    dec = make_onnx_mode(OnnxModel(out), f"adaptive:laser={path},gate_threshold=1.0")
-    assert dec.adaptive[1].threshold == 1.0
-    st = dec.new_state()
-    tok = int(dec.prefill(st, torch.tensor([1, 2, 3])).argmax())
+    onnx = onnx_engine(out)
+    mode = make_mode(f"adaptive:laser={path},gate_threshold=1.0", onnx)
+    assert mode.policy.threshold == 1.0
+    rs, cache = mode.new_state(onnx), onnx.new_cache()
+    tok = int(mode.prefill_logits(onnx, rs, cache, torch.tensor([1, 2, 3])).argmax())
     for _ in range(5):
-        logits, info = dec.step(st, tok)
+        logits, info = mode.decode(onnx, rs, cache, tok)
         assert info["exit_layer"] == eng.num_layers  # a gate probability never exceeds 1
         tok = int(logits.argmax())
 
@@ -182,18 +192,19 @@ def test_adaptive_threshold_override_changes_decisions_like_the_engine(tiny_lase
     ("speculative:draft_layers=4", "modes 'full' and 'adaptive'"),
     ("adaptive:groups=4", "differ from the exported layer groups"),
     ("adaptive:router=1", "router"),
+    ("static:skip=2-3", "modes 'full' and 'adaptive'"),
 ])
 def test_unsupported_settings_are_refused(tiny_laser_export, spec, match):
     _, _, out = tiny_laser_export
     with pytest.raises(InvalidArgumentError, match=match):
-        make_onnx_mode(OnnxModel(out), spec)
+        make_mode(spec, onnx_engine(out))
 
 
 def test_another_laser_file_is_refused(tiny_laser_export, tmp_path):
     eng, path, out = tiny_laser_export
     other = save_laser_file(tmp_path / "other.laser", eng, LaserArtifact(config={"groups": "2"}))
     with pytest.raises(InvalidArgumentError, match="not the one exported"):
-        make_onnx_mode(OnnxModel(out), f"adaptive:laser={other}")
+        make_mode(f"adaptive:laser={other}", onnx_engine(out))
 
 
 # -- declared shapes and bad directories ------------------------------------------------------------
@@ -201,18 +212,24 @@ def test_inputs_outside_the_declared_shapes_are_clear_errors(tiny_llama_export):
     import numpy as np
 
     eng, out = tiny_llama_export
-    dec = make_onnx_mode(OnnxModel(out), "full")
-    st = dec.new_state()
+    onnx = onnx_engine(out)
+    with pytest.raises(ContextLengthError, match="exceed the cache's 64 positions"):
+        onnx.prefill(torch.zeros(1, MAX_LEN + 1, dtype=torch.long))
     with pytest.raises(ContextLengthError, match="exceed the exported max length 64"):
-        dec.prefill(st, torch.zeros(MAX_LEN + 1, dtype=torch.long))
-    dec.prefill(st, torch.zeros(MAX_LEN - 1, dtype=torch.long))
-    dec.step(st, 1)  # position 63: the last one
+        onnx.new_cache(MAX_LEN + 1)
+    onnx.prefill(torch.zeros(1, MAX_LEN - 1, dtype=torch.long))
+    onnx.decode_step(torch.tensor([1]))  # position 63: the last one
+    with pytest.raises(ContextLengthError, match="exceed the cache's 64 positions"):
+        onnx.decode_step(torch.tensor([1]))
+    # the graphs' own checks, under the engine's
     with pytest.raises(ContextLengthError, match="past 64 \\+ new tokens 1 exceed"):
-        dec.step(st, 1)
+        onnx.onnx.run("group_0", {"hidden": np.zeros((1, 1, 64), dtype=np.float32), "positions": np.full((1, 1), 63),
+                                  **{f"past_{kv}_{j}": np.zeros((1, 2, 64, 16), dtype=np.float32)
+                                     for j in (0, 1) for kv in "kv"}})
     with pytest.raises(InvalidArgumentError, match="batch 3 is outside the exported range 1-2"):
-        dec.embed(np.zeros((3, 1), dtype=np.int64))
+        onnx.onnx.run("embed", {"input_ids": np.zeros((3, 1), dtype=np.int64)})
     with pytest.raises(InvalidArgumentError, match="must be int64"):
-        dec.embed(np.zeros((1, 1), dtype=np.int32))
+        onnx.onnx.run("embed", {"input_ids": np.zeros((1, 1), dtype=np.int32)})
 
 
 def test_missing_or_corrupt_export_directory(tiny_llama_export, tmp_path):
@@ -301,8 +318,7 @@ def smol_export(smol, tmp_path_factory):
 
 def test_smollm2_full_depth_equals_the_engine(smol, smol_export):
     ids = torch.tensor(smol.tokenizer("The capital of France is Paris. The capital of Germany is")["input_ids"])
-    dec = make_onnx_mode(OnnxModel(smol_export[0], threads=1), "full")
-    ref, got, worst = full_depth_pair(smol.engine, dec, ids, 32)
+    ref, got, worst = full_depth_pair(smol.engine, onnx_engine(smol_export[0], threads=1), ids, 32)
     assert got == ref
     assert worst < 1e-4
 
@@ -311,17 +327,18 @@ def test_smollm2_adaptive_same_exits_and_tokens(smol, smol_export):
     out, path = smol_export
     eng = smol.engine
     mode = make_adaptive(eng, laser=str(path), patience=0)
-    dec = make_onnx_mode(OnnxModel(out, threads=1), f"adaptive:laser={path},patience=0")
+    onnx = onnx_engine(out, threads=1)
+    omode = make_mode(f"adaptive:laser={path},patience=0", onnx)
     ids = torch.tensor(smol.tokenizer("Once upon a time, in a small village,")["input_ids"])
     rs, cache = mode.new_state(eng), eng.new_cache(128)
     ref = mode.prefill_logits(eng, rs, cache, ids)
-    st = dec.new_state()
-    got = dec.prefill(st, ids)
+    ors, ocache = omode.new_state(onnx), onnx.new_cache()
+    got = omode.prefill_logits(onnx, ors, ocache, ids)
     ref_tok = got_tok = int(ref.argmax())
     ref_exits, got_exits, ref_toks, got_toks = [], [], [], []
     for _ in range(24):
         ref, info = mode.decode(eng, rs, cache, ref_tok)
-        got, ginfo = dec.step(st, got_tok)
+        got, ginfo = omode.decode(onnx, ors, ocache, got_tok)
         ref_exits.append(info["exit_layer"])
         got_exits.append(ginfo["exit_layer"])
         ref_tok, got_tok = int(ref.argmax()), int(got.argmax())
@@ -339,6 +356,26 @@ def test_smollm2_cli_generate_onnxruntime(smol, smol_export, capsys):
     got = json.loads(capsys.readouterr().out)
     ref = smol.generate("The capital of France is", max_new_tokens=12, ignore_eos=True)
     assert got["text"] == ref.text and got["backend"] == "onnxruntime"
+
+
+def test_smollm2_load_of_an_export_runs_the_one_loop(smol, smol_export):
+    """``laserlm.load(export_dir)`` is a LaserLM on the onnxruntime engine: generate (full and adaptive, with a
+    repetition penalty that only the one loop's sampling gives) equals the PyTorch engine's; what the export fixes
+    and continuous batching are clear errors."""
+    import laserlm
+
+    out, path = smol_export
+    lm = laserlm.load(str(out))
+    assert isinstance(lm.engine, OnnxEngine) and "onnxruntime" in lm.describe()
+    for mode in ("full", f"adaptive:laser={path},patience=0"):
+        kw = dict(mode=mode, max_new_tokens=10, ignore_eos=True, repetition_penalty=1.3)
+        ref = smol.generate("The capital of France is", **kw)
+        got = lm.generate("The capital of France is", **kw)
+        assert got.token_ids == ref.token_ids and got.layers_per_token == ref.layers_per_token, mode
+    with pytest.raises(InvalidArgumentError, match="continuous batching"):
+        lm.generate_batch(["a", "b"])
+    with pytest.raises(InvalidArgumentError, match="ONNX export: its graphs fix weights"):
+        laserlm.load(str(out), weights="int4")
 
 
 @pytest.mark.slow

@@ -17,13 +17,12 @@ import torch
 from laserlm.errors import InvalidArgumentError
 from laserlm.export.onnx import export_onnx
 from laserlm.export.quantize import nbits_arrays, quantize_graph
-from laserlm.export.ort_backend import OnnxModel, make_onnx_mode
 from laserlm.models import quant
 from laserlm.models.packing import pack_model
 from laserlm.runtime.engine import Engine
 
 from test_depth import tiny_llama
-from test_onnx_export import full_depth_pair, rel
+from test_onnx_export import full_depth_pair, onnx_engine, rel
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -78,7 +77,7 @@ def test_nbits_arrays_dequantize_to_the_blocks():
 
 def test_full_depth_equals_the_dequantized_engine_at_accuracy_level_0(tiny_packed_export):
     fmt, ref_eng, outs = tiny_packed_export
-    dec = make_onnx_mode(OnnxModel(outs[0], threads=1), "full")
+    dec = onnx_engine(outs[0], threads=1)
     ids = torch.tensor([5, 17, 99, 3, 42, 8, 77, 1, 64])
     ref, got, worst = full_depth_pair(ref_eng, dec, ids, 12)
     assert got == ref
@@ -108,11 +107,11 @@ def test_no_float_projection_is_left_in_the_graphs(tiny_packed_export):
 def test_accuracy_level_4_is_close_to_the_dequantized_engine(tiny_packed_export):
     """int8 activations: each product within a few 1e-3; logits within 5 % and greedy tokens mostly equal."""
     _, ref_eng, outs = tiny_packed_export
-    dec = make_onnx_mode(OnnxModel(outs[4], threads=1), "full")
+    dec = onnx_engine(outs[4], threads=1)
     ids = torch.tensor([5, 17, 99, 3, 42, 8, 77, 1, 64])
     ref_eng.reset()
     ref = ref_eng.prefill(ids.unsqueeze(0)).logits[0, 0]
-    got = dec.prefill(dec.new_state(), ids)
+    got = dec.prefill(ids.unsqueeze(0)).logits[0, 0]
     assert 0 < rel(got, ref) < 5e-2
 
 
@@ -145,7 +144,7 @@ def test_smollm2_native_blocks_equal_the_gguf_dequantized_engine(smol, smol_nati
     weights transformers dequantized from the same GGUF file with ``gguf``; greedy tokens identical for 16 steps."""
     out, man = smol_native_export
     assert man["weights"] == "native" and man["quantized"]["matrices"]["Q4_1"] >= 210
-    dec = make_onnx_mode(OnnxModel(out, threads=1), "full")
+    dec = onnx_engine(out, threads=1)
     ids = torch.tensor(smol.tokenizer("The capital of France is Paris. The capital of Germany is")["input_ids"])
     ref, got, worst = full_depth_pair(smol.engine, dec, ids, 16)
     assert got == ref

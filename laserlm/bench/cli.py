@@ -21,10 +21,8 @@ from ..errors import InvalidArgumentError, LaserLMError
 TESTS = ("pp", "tg", "gen")
 
 
-def add_parser(sub, onnx=None) -> None:
-    """Register ``bench``. ``onnx``: ``open(dirs, specs, args) -> (decoders, notes, source)`` (what
-    :func:`laserlm.export.cli.open_decoders` returns; the CLI passes it in, the tools do not import each other);
-    without it ``--backend onnxruntime`` and ``--onnx`` are errors."""
+def add_parser(sub) -> None:
+    """Register ``bench``."""
     p = sub.add_parser(
         "bench", help="measure speed: pp/tg tokens/s, TTFT, TPOT, ITL, memory, layers per token",
         description="Benchmark decoding-mode configurations side by side (interleaved repetitions) with the "
@@ -61,7 +59,7 @@ def add_parser(sub, onnx=None) -> None:
     p.add_argument("--quality", default=None, metavar="EVAL.json",
                    help="a `laserlm eval --json` file: the plot becomes quality vs speed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_bench, open_onnx=onnx)
+    p.set_defaults(func=cmd_bench)
 
 
 def _gguf_path(model: str):
@@ -154,7 +152,7 @@ def cmd_bench(args) -> int:
     chat = bool(getattr(tokenizer, "chat_template", None))
     gen_ids = encode_prompt(tokenizer, GEN_PROMPT, chat, max_len)
     need = max(args.n_prompt + 1, gen_ids.shape[0] + args.n_gen, args.n_gen + 1)
-    max_len = min([max_len] + [t.decoder.model.max_len for t in onnx_targets])
+    max_len = min([max_len] + [t.lm.engine.max_seq_len for t in onnx_targets])
     if need > max_len:
         raise InvalidArgumentError(f"the tests need {need} positions but the context size is {max_len}; "
                                    "lower --n-prompt/--n-gen or raise --ctx-size (or the export's --max-len)")
@@ -196,7 +194,8 @@ def cmd_bench(args) -> int:
     samples = run_bench(targets, prompt_ids, gen_ids, args.n_gen, args.reps, args.warmup, tests,
                         progress=not args.no_progress)
     rows = [summarize(name, s, args.n_prompt, args.n_gen) for name, s in samples.items()]
-    engines = {t.name: t.lm.engine for t in targets if isinstance(t, EngineTarget)}
+    # bytes per token are counted on laserlm's engine's own modules (an export's graphs are not inspected)
+    engines = {t.name: t.lm.engine for t in targets if isinstance(t, EngineTarget) and t.lm.loaded is not None}
     for r in rows:  # tg: n_gen tokens after 1, mean context n_gen / 2
         eng = engines.get(r["config"])
         layers = r["layers_per_token"]
@@ -208,7 +207,7 @@ def cmd_bench(args) -> int:
         r["utilization"] = utilization(b["total"], r["tg_tokens_per_s"], bandwidth)
     from ..reports import machine, now, write_json  # noqa: PLC0415
 
-    described = [one.describe() for one in lms] + [f"{t.name}: {t.decoder.model.path}" for t in onnx_targets]
+    described = [one.describe() for one in lms] + [f"{t.name}: {t.export}" for t in onnx_targets]
     header = (f"model {args.model}, {'; '.join(described)}, {torch.get_num_threads()} threads, reps {args.reps} after "
               f"{args.warmup} warm-up; pp: {args.n_prompt} random tokens; tg: {args.n_gen} tokens after 1; "
               f"read bandwidth {bandwidth / 1e9:.1f} GB/s (torch sum over 512 MiB, best of 5; util = tg bytes/token "
@@ -227,7 +226,7 @@ def cmd_bench(args) -> int:
     if args.json:
         doc = {"command": "bench", "model": args.model, "backend": args.backend,
                "weights": [one.weights for one in lms] + [t.weights for t in onnx_targets],
-               "onnx": [str(t.decoder.model.path) for t in onnx_targets],
+               "onnx": [str(t.export) for t in onnx_targets],
                "dtype": str(lm.engine.dtype).replace("torch.", "") if lm else "float32", "threads": torch.get_num_threads(),
                "n_prompt": args.n_prompt, "n_gen": args.n_gen, "reps": args.reps, "warmup": args.warmup,
                "tests": tests, "read_bandwidth_bytes_per_s": bandwidth, "machine": machine(), "date": now(), "argv": sys.argv[1:], "notes": notes,
@@ -238,16 +237,45 @@ def cmd_bench(args) -> int:
 
 def _onnx_targets(args, dirs: list[str], specs: list[str]):
     """``(targets, notes, (tokenizer, max_len, vocab) of the first export or None)``: an
-    :class:`~laserlm.bench.measure.OnnxTarget` per export directory and spec that its graphs run.
+    :class:`~laserlm.bench.measure.EngineTarget` on the onnxruntime engine (:func:`laserlm.api.load_onnx`) per export
+    directory and spec that its graphs run (``full``, ``adaptive[...]``); a spec they cannot run is skipped with a
+    note, unless none runs.
 
     Raises:
-        LaserLMError: no onnxruntime backend registered; see :func:`laserlm.export.cli.open_decoders`.
+        InvalidArgumentError: :func:`~laserlm.cli_common.check_onnx_args` (``--backend onnxruntime``), or no spec runs
+            on a directory.
+        ModelNotFoundError / CorruptModelError: not an export directory, or it has no tokenizer.
     """
     if not dirs:
         return [], [], None
-    if getattr(args, "open_onnx", None) is None:
-        raise LaserLMError("this bench has no onnxruntime backend")
-    from .measure import OnnxTarget  # noqa: PLC0415
+    import torch  # noqa: PLC0415
 
-    decoders, notes, source = args.open_onnx(dirs, specs, args)
-    return [OnnxTarget(dec, name, weights) for name, weights, dec in decoders], notes, source
+    from ..api import load_onnx  # noqa: PLC0415
+    from ..cli_common import check_onnx_args  # noqa: PLC0415
+    from .measure import EngineTarget  # noqa: PLC0415
+
+    if args.backend == "onnxruntime":
+        check_onnx_args(args)
+    targets, notes, source = [], [], None
+    for d in dirs:
+        lm = load_onnx(d, threads=torch.get_num_threads())
+        if source is None:
+            source = (lm.tokenizer, lm.engine.max_seq_len, lm.engine.config.vocab_size)
+        weights = f"onnxruntime {lm.weights}"
+        errors = []
+        for spec in specs:
+            try:
+                t = EngineTarget(lm, spec)
+            except InvalidArgumentError as exc:
+                errors.append(f"{spec}: {exc}")
+                continue
+            t.name = f"{spec} [{weights}]"
+            if any(x.name == t.name for x in targets):
+                t.name = f"{spec} [{weights}: {d}]"
+            t.weights, t.export = weights, d
+            targets.append(t)
+        if len(errors) == len(specs):
+            raise InvalidArgumentError(f"--onnx {d}: no configuration runs on onnxruntime ({'; '.join(errors)})")
+        notes += [f"onnxruntime {d}: skipped {e}" for e in errors]
+        lm.engine.onnx.warm()
+    return targets, notes, source

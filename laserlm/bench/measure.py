@@ -114,8 +114,8 @@ def random_prompt(vocab: int, n: int, seed: int) -> torch.Tensor:
 
 
 class _TokenTarget:
-    """pp / tg / gen from a ``_events(ids, n) -> [TokenEvent]`` greedy run (laserlm's engine and its onnxruntime
-    backend both emit :class:`~laserlm.runtime.generate.TokenEvent`)."""
+    """pp / tg / gen from a ``_events(ids, n) -> [TokenEvent]`` greedy run (laserlm's engine and the onnxruntime
+    engine both emit :class:`~laserlm.runtime.generate.TokenEvent`)."""
 
     def pp(self, ids) -> float:
         ev = self._events(ids, 1)
@@ -131,7 +131,8 @@ class _TokenTarget:
 
 
 class EngineTarget(_TokenTarget):
-    """A laserlm decoding mode on the shared engine, measured through ``mode.tokens``."""
+    """A laserlm decoding mode on the shared engine (laserlm's, or the onnxruntime engine of an export), measured
+    through the one decode loop."""
 
     def __init__(self, lm, spec: str):
         from ..mode_table import config_kernel, split_config  # noqa: PLC0415
@@ -151,26 +152,6 @@ class EngineTarget(_TokenTarget):
         for the generation run allocated = used = ``tokens`` positions."""
         cache = self.lm.engine.new_cache(tokens)
         return cache.nbytes, cache.nbytes
-
-
-class OnnxTarget(_TokenTarget):
-    """A mode (``full`` / ``adaptive[...]``) of an ONNX export on onnxruntime (:mod:`laserlm.export.ort_backend`),
-    measured through the decoder's token source (the same loop as ``generate --backend onnxruntime``)."""
-
-    def __init__(self, decoder, name: str, weights: str):
-        self.decoder, self.name, self.weights = decoder, name, weights
-        self.source = decoder.token_source()
-
-    def _events(self, ids, n):
-        greedy = SamplingParams(max_new_tokens=n, temperature=0.0)
-        with torch.inference_mode():
-            return list(self.source(ids, greedy, n))
-
-    def kv_bytes(self, tokens: int) -> tuple[int, int]:
-        """float32 numpy K/V of ``tokens`` positions in every layer (the cache grows as it is filled)."""
-        m = self.decoder.model.manifest["model"]
-        used = 2 * m["num_layers"] * m["num_kv_heads"] * m["head_dim"] * 4 * tokens
-        return used, used
 
 
 class _Clock:

@@ -106,8 +106,8 @@ def _given(value, default):
 def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int) -> tuple:
     """``(groups, policy, bridge name, patience, ats_layer)`` of mode ``adaptive`` from its parsed options ``o``
     and a laser artifact ``art`` (or ``None``): a given option wins, else the file's value, else the default.
-    Shared by :func:`make_adaptive` and the onnxruntime backend (:mod:`laserlm.export.ort_backend`), so both run the
-    same exit rule.
+    Shared by :func:`make_adaptive` and :func:`laserlm.depth.ort.make_adaptive_onnx` (the onnxruntime engine), so both
+    run the same exit rule.
 
     Raises:
         InvalidArgumentError: bad groups, thresholds or policy names.

@@ -15,44 +15,14 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InvalidArgumentError
+from ..runtime.projections import project_kv  # noqa: F401  (re-exported by laserlm.depth)
 
 BRIDGES = ("propagate", "deferred", "none")
-
-
-def _rotary_fn(attn_module):
-    """The ``apply_rotary_pos_emb`` of the transformers module that defines ``attn_module``."""
-    fn = getattr(sys.modules[type(attn_module).__module__], "apply_rotary_pos_emb", None)
-    if fn is None:  # pragma: no cover - every supported family defines it
-        raise InvalidArgumentError(f"cannot find the rotary function of {type(attn_module).__name__}")
-    return fn
-
-
-def project_kv(layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """K/V that decoder ``layer`` would compute from ``hidden [B, T, d]`` entering it.
-
-    Input norm -> k/v projections -> K norm (and V norm) when the layer has them -> rotary on K.
-    ``cos/sin [1, T, head_dim]`` are the layer type's rotary tables at the tokens' positions.
-    Returns ``(k, v)`` each ``[B, n_kv, T, head_dim]`` (what the attention module writes to the cache).
-    """
-    attn = layer.self_attn
-    # a float16 engine's guard may hand over a float32 hidden state (laserlm.runtime.ranges); the norm's output is
-    # bounded, so it is cast to the projections' dtype (a no-op otherwise)
-    x = layer.input_layernorm(hidden).to(attn.k_proj.weight.dtype)
-    shape = (*x.shape[:-1], -1, attn.head_dim)
-    k = attn.k_proj(x).view(shape).transpose(1, 2)
-    v = attn.v_proj(x).view(shape).transpose(1, 2)
-    if getattr(attn, "k_norm", None) is not None:
-        k = attn.k_norm(k)
-    if getattr(attn, "v_norm", None) is not None:
-        v = attn.v_norm(v)
-    _, k = _rotary_fn(attn)(k, k, cos, sin)
-    return k, v
 
 
 class Bridge:
@@ -77,12 +47,8 @@ class PropagateBridge(Bridge):
     name = "propagate"
 
     def on_exit(self, engine, state, layer, hidden, token_id, rs):
-        a = engine.adapter
-        for j in range(layer, a.num_layers):
-            cos, sin = state.rope[a.layer_types[j]]
-            k, v = project_kv(a.layers[j], hidden, cos, sin)
-            state.window.cache.write(j, state.start, k, v)
-        return a.num_layers - layer
+        engine.propagate(state, layer, hidden)
+        return engine.num_layers - layer
 
 
 class NoneBridge(Bridge):

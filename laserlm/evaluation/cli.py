@@ -21,12 +21,8 @@ from .tasks import TASKS, EvalSettings, Evaluator, load_prompts
 DEFAULT_TASKS = "wikitext,lambada,hellaswag,arc_easy,piqa,agreement"
 
 
-def add_parser(sub, backends: dict | None = None) -> None:
-    """Register ``eval``. ``backends``: ``{name: open(args) -> lm}`` for ``--backend`` besides ``torch``; such an
-    ``lm`` has ``tokenizer``, ``generate(...)``, ``describe()``, ``weights``, ``dtype``, ``threads`` and
-    ``scorer(config)`` for the :class:`~laserlm.evaluation.tasks.Evaluator` (``laserlm.cli`` passes ``onnxruntime``,
-    :func:`laserlm.export.cli.open_backend`: the tools do not import each other)."""
-    backends = dict(backends or {})
+def add_parser(sub) -> None:
+    """Register ``eval``."""
     p = sub.add_parser(
         "eval", help="measure quality: perplexity, zero-shot tasks, agreement with full depth",
         description="Evaluate decoding-mode configurations on WikiText-2 perplexity, LAMBADA, HellaSwag, "
@@ -62,11 +58,11 @@ def add_parser(sub, backends: dict | None = None) -> None:
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the results as JSON to PATH ('-' or no value: stdout, table goes to stderr)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--backend", choices=["torch", *backends], default="torch",
+    p.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
                    help="torch: laserlm's engine; onnxruntime: the graphs of `laserlm export onnx` (--model is then "
                         "the export directory; configurations full and adaptive[...], dense attention, the "
                         "export's max length as context) (default: %(default)s)")
-    p.set_defaults(func=cmd_eval, eval_backends=backends)
+    p.set_defaults(func=cmd_eval)
 
 
 def parse_tasks(text: str) -> list[str]:
@@ -108,15 +104,12 @@ def cmd_eval(args) -> int:
         from ..defaults import check_before_load  # noqa: PLC0415
 
         check_before_load(args.model, specs)  # bare adaptive/speculative on a non-bundled model: refuse before loading
-        lm = load_from_args(args)
-        ev = Evaluator(lm, specs, settings)
-        import torch  # noqa: PLC0415
+    lm = load_from_args(args)
+    ev = Evaluator(lm, specs, settings)
+    import torch  # noqa: PLC0415
 
-        dtype, threads = str(lm.engine.dtype).replace("torch.", ""), torch.get_num_threads()
-    else:
-        lm = args.eval_backends[backend](args)
-        ev = Evaluator(lm, specs, settings, make_scorer=lm.scorer)
-        dtype, threads = lm.dtype, lm.threads
+    dtype = str(lm.engine.dtype).replace("torch.", "")
+    threads = args.threads if backend == "onnxruntime" else torch.get_num_threads()
     from ..reports import machine, now, write_json  # noqa: PLC0415
     from .report import markdown  # noqa: PLC0415
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import LaserLMError
+from ..errors import InvalidArgumentError, LaserLMError
 from ..mode_table import config_kernel, make_mode, split_config
 from ..runtime.modes import FullDepth
+from ..runtime.ort_engine import OnnxEngine
 from ..runtime.scores import SequenceScore, check_score_length, target_scores
 
 
@@ -69,15 +70,24 @@ class Scorer:
 
     def __init__(self, engine, mode, batch: bool = True):
         self.engine = engine
-        self.kernel = config_kernel(engine, mode) if isinstance(mode, str) else engine.kernel
+        whole_groups = isinstance(engine, OnnxEngine)  # exported graphs: dense attention, whole layer groups
+        if whole_groups and isinstance(mode, str) and split_config(mode)[1] is not None:
+            raise InvalidArgumentError(f"the onnxruntime backend has dense attention only: drop "
+                                       f"'@{split_config(mode)[1]}' from configuration '{mode}'")
+        self.kernel = config_kernel(engine, mode) if isinstance(mode, str) and not whole_groups else engine.kernel
         self.mode = make_mode(split_config(mode)[0] if isinstance(mode, str) else mode, engine)
         self.fast = batch and isinstance(self.mode, FullDepth)
         from ..depth.batched import supports_batched_score  # noqa: PLC0415
 
-        self.batched = batch and supports_batched_score(self.mode)
+        # the batched adaptive scorer freezes exited rows layer by layer, which whole-group graphs cannot do
+        self.batched = batch and not whole_groups and supports_batched_score(self.mode)
         # sequences worth scoring per call: the full-depth path holds [B, T, V] logits, the batched adaptive
         # path only [B, V] per step
         self.batch_rows = 4 if self.fast else (32 if self.batched else 1)
+        # the most sequences one forward may hold: an export's declared batch range (laserlm's engine: any)
+        self.max_rows = engine.max_batch if whole_groups else None
+        if whole_groups:
+            self.batch_rows = min(self.batch_rows, engine.max_batch)
 
     def activate(self) -> None:
         """Install this configuration's attention kernel on the engine (call before generating with it)."""
@@ -108,7 +118,8 @@ class Scorer:
         if self.batched:
             return self._score_adaptive_batched(seqs, starts)
         if self.fast and len(seqs) > 1:
-            return self._score_batched(seqs, starts)
+            n = self.max_rows or len(seqs)
+            return [r for i in range(0, len(seqs), n) for r in self._score_batched(seqs[i:i + n], starts[i:i + n])]
         out = []
         for ids, start in zip(seqs, starts):
             if self.fast:

@@ -161,38 +161,31 @@ class Evaluator:
     """Runs quality tasks for several decoding modes of one loaded model.
 
     Args:
-        lm: a :class:`laserlm.LaserLM`, or a backend's model object with ``tokenizer`` and
-            ``generate(prompt, chat=, mode=, max_new_tokens=, temperature=) -> result with .token_ids`` (e.g.
-            :class:`laserlm.export.scoring.OnnxLM`).
+        lm: a :class:`laserlm.LaserLM` (on laserlm's engine or on the onnxruntime engine of an export).
         specs: mode specs (or objects); the full-depth reference ``"full"`` is always added first.
         settings: :class:`EvalSettings`.
-        make_scorer: ``fn(spec) -> scorer`` from a backend, each scorer with the interface used here of
-            :class:`~laserlm.evaluation.scoring.Scorer` (``score``, ``mode`` for ``lm.generate``, ``activate``,
-            ``batch_rows``, ``max_seq_len``); it checks its configuration when made. Default: a
-            :class:`~laserlm.evaluation.scoring.Scorer` on ``lm.engine``, each configuration run on a few tokens
-            first (:func:`check_runnable`).
+
+    Each configuration is scored by a :class:`~laserlm.evaluation.scoring.Scorer` on ``lm.engine`` and run on a few
+    tokens first (:func:`check_runnable`).
 
     Raises:
         InvalidArgumentError: unknown mode or bad options.
         LaserLMError: a configuration that cannot run on this model (checked on a few tokens up front).
     """
 
-    def __init__(self, lm, specs, settings: EvalSettings | None = None, make_scorer=None):
+    def __init__(self, lm, specs, settings: EvalSettings | None = None):
         self.lm = lm
         self.s = settings or EvalSettings()
         names = [REFERENCE] + [s for s in specs if s != REFERENCE]
-        if make_scorer is None:
-            resolve = getattr(lm, "resolve_spec", None)  # bare adaptive/speculative -> calibrated default (api)
-            self.scorers = {n: Scorer(lm.engine, resolve(n) if resolve else n) for n in dict.fromkeys(names)}
-        else:
-            self.scorers = {n: make_scorer(n) for n in dict.fromkeys(names)}
+        resolve = getattr(lm, "resolve_spec", None)  # bare adaptive/speculative -> the calibrated default (api)
+        self.scorers = {n: Scorer(lm.engine, resolve(n) if resolve and isinstance(n, str) else n)
+                        for n in dict.fromkeys(names)}
         self.max_seq_len = self.scorers[REFERENCE].max_seq_len
         self._argmax_cache: dict[tuple[str, int], torch.Tensor] = {}
         for name in self.scorers:
             if name != REFERENCE:
                 self.scorers[name].activate()
-                if make_scorer is None:
-                    check_runnable(lm, name, self.scorers[name].mode)
+                check_runnable(lm, name, self.scorers[name].mode)
 
     @property
     def names(self) -> list[str]:

@@ -1,20 +1,15 @@
-"""``laserlm export onnx`` and the onnxruntime side of ``laserlm generate`` / ``laserlm eval --backend onnxruntime``.
+"""``laserlm export onnx``: ``add_parser(sub)`` registers ``export`` (called by :func:`laserlm.cli.build_parser`).
 
-``add_parser(sub)`` registers ``export`` (called by :func:`laserlm.cli.build_parser`); :func:`run_generate` is what
-``generate`` calls for ``--backend onnxruntime`` (``--model`` is then the export directory), and
-:func:`open_backend` is the ``onnxruntime`` backend that :func:`laserlm.cli.build_parser` hands to ``eval`` (the
-tools do not import each other). Both refuse the loading options the graphs do not have (:func:`check_onnx_args`).
+The export runs with ``--backend onnxruntime`` on ``generate``, ``eval`` and ``bench`` (``--model`` is then the
+export directory; :func:`laserlm.cli_common.load_from_args`), or ``laserlm.load(DIR)`` in Python.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 from ..errors import InvalidArgumentError, LaserLMError
 
-BACKENDS = ("torch", "onnxruntime")
 
 
 def add_parser(sub) -> None:
@@ -80,9 +75,12 @@ def cmd_export_onnx(args) -> int:
         raise InvalidArgumentError(f"--out {out} is a file; give a directory")
     if args.laser is not None and not Path(args.laser).is_file():
         raise InvalidArgumentError(f"laser file not found: {args.laser}")
-    if args.whole_model and (args.weights != "fp32" or args.laser is not None or args.groups is not None):
-        raise InvalidArgumentError("--whole-model exports the float32 model as one graph: drop --weights / --laser / "
-                                   "--groups (they shape the per-group export)")
+    if args.whole_model and (args.weights != "fp32" or args.laser is not None or args.groups is not None
+                             or args.accuracy_level != 4 or args.max_batch is not None or args.peak_concurrency != 1
+                             or args.no_tensorrt):
+        raise InvalidArgumentError("--whole-model exports the float32 model as one graph with a dynamic batch and no "
+                                   "TensorRT profile: drop --weights / --laser / --groups / --accuracy-level / "
+                                   "--max-batch / --peak-concurrency / --no-tensorrt (they shape the per-group export)")
     apply_threads(args)
     from ..api import load  # noqa: PLC0415
 
@@ -118,110 +116,3 @@ def cmd_export_onnx(args) -> int:
         print(f"TensorRT build profile written to {out / 'tensorrt_profile.json'} and trtexec commands to "
               f"{out / 'trtexec.sh'} (batch min/opt/max {prof['batch']}); NOT built: no GPU or TensorRT here")
     return 0
-
-
-def check_onnx_args(args) -> None:
-    """Refuse the model-loading options that the exported graphs do not have (``generate`` and ``eval``
-    with ``--backend onnxruntime``).
-
-    Raises:
-        InvalidArgumentError: ``--weights``, ``--dtype``, ``--prefill-dtype``, ``--attention`` or a sparse-attention
-            option, or ``--ctx-size`` given.
-    """
-    if getattr(args, "weights", "auto") != "auto" or getattr(args, "dtype", None) is not None:
-        raise InvalidArgumentError("--backend onnxruntime runs the exported graphs, whose weights `laserlm export onnx "
-                                   "--weights` chose: drop --weights/--dtype")
-    if getattr(args, "prefill_dtype", "auto") != "auto":
-        raise InvalidArgumentError("--backend onnxruntime runs the exported float32 graphs: drop --prefill-dtype")
-    sparse = ("sparse_threshold", "sparse_mass", "block_size", "dense_layers")
-    if getattr(args, "attention", "dense") != "dense" or any(getattr(args, k, None) is not None for k in sparse):
-        raise InvalidArgumentError("--backend onnxruntime has dense attention only: drop --attention and the "
-                                   "sparse-attention options")
-    if getattr(args, "ctx_size", None) is not None:
-        raise InvalidArgumentError("--backend onnxruntime uses the export's --max-len as context: drop --ctx-size")
-
-
-def open_backend(args):
-    """The export directory ``args.model`` as an :class:`~laserlm.export.scoring.OnnxLM`, after
-    :func:`check_onnx_args` (what ``laserlm eval --backend onnxruntime`` evaluates; its ``scorer`` makes the
-    evaluator's scorers).
-
-    Raises:
-        InvalidArgumentError: see :func:`check_onnx_args`.
-        LaserLMError: ``--threads`` below 1.
-        ModelNotFoundError / CorruptModelError: no valid export (with a tokenizer) at ``--model``.
-    """
-    check_onnx_args(args)
-    from ..cli_common import apply_threads  # noqa: PLC0415
-    from .scoring import OnnxLM  # noqa: PLC0415
-
-    apply_threads(args)  # checks --threads; torch threads for the exit policies' small tensors
-
-    return OnnxLM(args.model, threads=args.threads)
-
-
-def run_generate(args, prompt: str, sampling: dict) -> int:
-    """``laserlm generate --backend onnxruntime``: ``args.model`` is an export directory; ``args.mode`` ``full`` or
-    ``adaptive[...]`` (``--laser`` must name the exported laser file).
-
-    Raises:
-        InvalidArgumentError: options that the ONNX graphs do not have (:func:`check_onnx_args`), another mode.
-        ModelNotFoundError / CorruptModelError: no valid export at ``--model``.
-    """
-    lm = open_backend(args)
-    decoder = lm.mode(args.mode)
-    lm.model.warm()
-    gen = lm.stream(prompt, chat=args.chat, mode=decoder, **sampling)
-    if args.json:
-        r = gen.run()
-        print(json.dumps({"model": args.model, "backend": "onnxruntime", "mode": args.mode, "text": r.text,
-                          **r.stats()}))
-        return 0
-    from ..cli_common import stream_to_stdout  # noqa: PLC0415
-
-    r = stream_to_stdout(gen)
-    print(f"[onnxruntime: {r.prompt_tokens} prompt tokens, {r.generated_tokens} generated, TTFT "
-          f"{r.ttft_s * 1000:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s, {r.mean_layers_per_token:.1f} layers/token, "
-          f"finish: {r.finish_reason}]", file=sys.stderr)
-    return 0
-
-
-def open_decoders(dirs: list[str], specs: list[str], args):
-    """What ``laserlm bench`` measures on onnxruntime (``--backend onnxruntime`` / ``--onnx DIR``): ``(decoders,
-    notes, (tokenizer, max_len, vocab) of the first export)``, ``decoders`` a list of ``(name, weights, decoder)``
-    for every export directory and spec that its graphs run (``full``, ``adaptive[...]``); a spec they cannot run
-    is skipped with a note, unless none runs.
-
-    Raises:
-        InvalidArgumentError: :func:`check_onnx_args` (``--backend onnxruntime``), or no spec runs on a directory.
-        ModelNotFoundError / CorruptModelError: not an export directory, or it has no tokenizer.
-    """
-    if getattr(args, "backend", "torch") == "onnxruntime":
-        check_onnx_args(args)
-    import torch  # noqa: PLC0415
-
-    from .ort_backend import OnnxModel, make_onnx_mode  # noqa: PLC0415
-    from .scoring import load_tokenizer  # noqa: PLC0415
-
-    decoders, notes, source = [], [], None
-    for d in dirs:
-        model = OnnxModel(d, threads=torch.get_num_threads())
-        if source is None:
-            source = (load_tokenizer(model), model.max_len, model.manifest["model"]["vocab_size"])
-        weights = f"onnxruntime {model.manifest.get('weights', 'fp32')}"
-        errors = []
-        for spec in specs:
-            try:
-                dec = make_onnx_mode(model, spec)
-            except InvalidArgumentError as exc:
-                errors.append(f"{spec}: {exc}")
-                continue
-            name = f"{spec} [{weights}]"
-            if any(n == name for n, _, _ in decoders):
-                name = f"{spec} [{weights}: {d}]"
-            decoders.append((name, weights, dec))
-        if len(errors) == len(specs):
-            raise InvalidArgumentError(f"--onnx {d}: no configuration runs on onnxruntime ({'; '.join(errors)})")
-        notes += [f"onnxruntime {d}: skipped {e}" for e in errors]
-        model.warm()
-    return decoders, notes, source

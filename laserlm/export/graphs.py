@@ -9,7 +9,7 @@ graph, so there is one graph per layer group and the runtime chooses the exits).
   sliding-window masks are built in the graph from the positions, exactly as
   :meth:`laserlm.runtime.attention.AttentionContext.mask` does.
 - :class:`BridgeGraph`: the ``propagate`` bridge for the layers of one group
-  (:func:`laserlm.depth.bridge.project_kv`): ``hidden [B, T, d]``, ``positions`` -> ``new_k_<j>`` / ``new_v_<j>``.
+  (:func:`laserlm.runtime.projections.project_kv`): ``hidden [B, T, d]``, ``positions`` -> ``new_k_<j>`` / ``new_v_<j>``.
 - :class:`AdapterGraph`: a trained exit head's adapter (:meth:`laserlm.depth.heads.ExitHead.adapt`),
   ``hidden [B, T, d] -> hidden [B, T, d]``; the exit head is this graph followed by the final head graph.
 - :class:`HeadGraph`: final norm + LM head (+ Gemma soft cap): ``hidden [B, T, d] -> logits [B, T, V]`` float32.
@@ -169,7 +169,7 @@ class BridgeGraph(_LayerRange):
     """The propagate bridge's K/V for layers ``start .. stop-1`` from one hidden state (see the module docstring)."""
 
     def forward(self, hidden, positions):
-        from ..depth.bridge import project_kv  # noqa: PLC0415
+        from ..runtime.projections import project_kv  # noqa: PLC0415
 
         rope = self._rope(positions)
         out = []

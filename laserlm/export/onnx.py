@@ -41,10 +41,9 @@ import torch
 from ..errors import InvalidArgumentError
 from . import graphs as G
 from ..runtime.options import is_int
+from ..runtime.ort_engine import MANIFEST, MANIFEST_VERSION
 
 OPSET = 13
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
 EXPORTER = "torch.onnx.export(dynamo=False) (TorchScript exporter), do_constant_folding=True"
 
 

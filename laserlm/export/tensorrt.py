@@ -45,9 +45,9 @@ def write_profile(export_dir, peak_concurrency: int = 1, fp16: bool = True) -> d
     Raises:
         CorruptModelError: a graph's ONNX inputs differ from the manifest's (names), or a graph is unreadable.
         ModelNotFoundError / CorruptModelError: no valid export in ``export_dir`` (see
-            :func:`laserlm.export.ort_backend.read_manifest`).
+            :func:`laserlm.runtime.ort_engine.read_manifest`).
     """
-    from .ort_backend import read_manifest  # noqa: PLC0415
+    from ..runtime.ort_engine import read_manifest  # noqa: PLC0415
 
     d = Path(export_dir)
     man = read_manifest(d)

@@ -28,6 +28,7 @@ from ..models.quant import KERNEL_MAX_ROWS
 from . import attention as attn
 from . import fast_layers, packed_layers
 from .kv_cache import CacheWindow, KVCache
+from .projections import project_kv
 
 DEFAULT_MAX_SEQ_LEN = 4096
 
@@ -87,7 +88,64 @@ class StepState:
         return int(self.positions[0])
 
 
-class Engine:
+class EngineCalls:
+    """The full-depth calls of an engine, written once over its primitives (``begin``, ``run_layers``, ``commit``,
+    ``head``, ``num_layers`` and the default ``cache``): :class:`Engine` and the onnxruntime engine
+    (:class:`laserlm.runtime.ort_engine.OnnxEngine`) both inherit them."""
+
+    @property
+    def position(self) -> int:
+        """Number of tokens in the engine's own KV cache."""
+        return self.cache.length
+
+    def reset(self, cache=None) -> None:
+        """Empty a KV cache (default: the engine's own; start a new sequence)."""
+        (cache or self.cache).reset()
+
+    def truncate(self, length: int, cache=None) -> None:
+        """Roll a KV cache (default: the engine's own) back to its first ``length`` positions."""
+        (cache or self.cache).crop(length)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, logits: str = "last", use_cache: bool = True,
+                start: int | None = None, cache: KVCache | None = None) -> ForwardOutput:
+        """Full-depth forward of ``input_ids [B, T]`` (or ``[T]``) at ``start`` (default: after the cached
+        positions) in ``cache`` (default: the engine's own).
+
+        Args:
+            logits: ``"last"`` (logits of the last position only, ``[B, 1, V]``) or ``"all"`` (``[B, T, V]``).
+            use_cache: read and extend the KV cache (False: a stand-alone forward from position 0,
+                any batch size; used by evaluation).
+        """
+        if logits not in ("last", "all"):
+            raise InvalidArgumentError(f"logits must be 'last' or 'all', got {logits!r}")
+        hidden, state = self.begin(input_ids, start=start, cache=cache, use_cache=use_cache)
+        hidden = self.run_layers(0, self.num_layers, hidden, state)
+        self.commit(state)
+        if logits == "last":
+            hidden = hidden[:, -1:]
+        out = self.head(hidden)
+        t = input_ids.shape[-1]
+        return ForwardOutput(out, StepStats(t, [self.num_layers] * t, time.perf_counter() - state.t0))
+
+    def prefill(self, input_ids: torch.Tensor, cache=None, start: int = 0) -> ForwardOutput:
+        """Process prompt tokens ``[B, T]`` at full depth from position ``start`` of ``cache`` (default: the
+        engine's own), which is first cut back to ``start`` positions (``start > 0``: the first positions are
+        already there, from a shared prefix or earlier prefill chunks); returns the last position's logits
+        ``[B, 1, V]``."""
+        cache = self.cache if cache is None else cache
+        cache.crop(start)
+        return self.forward(input_ids, logits="last", start=start, cache=cache)
+
+    def decode_step(self, token_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
+        """One decode step after the cached positions: ``token_ids [B]`` or ``[B, 1]`` -> next-token logits
+        ``[B, 1, V]``."""
+        if token_ids.dim() == 1:
+            token_ids = token_ids.unsqueeze(-1)
+        return self.forward(token_ids, logits="last", cache=cache)
+
+
+class Engine(EngineCalls):
     """Full-depth inference engine over a loaded model.
 
     Args:
@@ -168,11 +226,6 @@ class Engine:
         several times the cost of a kernel step). ``None``: no packed layers (float weights: no such step)."""
         return KERNEL_MAX_ROWS if self._packed else None
 
-    @property
-    def position(self) -> int:
-        """Number of tokens in the engine's own KV cache."""
-        return self.cache.length
-
     def new_cache(self, max_len: int | None = None, batch_size: int = 1) -> KVCache:
         """A KV cache for one request (``max_len`` positions, default the engine's context size).
 
@@ -184,14 +237,6 @@ class Engine:
             raise ContextLengthError(f"{max_len} positions exceed the context size {self.max_seq_len}")
         a = self.adapter
         return KVCache(a.num_layers, batch_size, a.num_kv_heads, a.head_dim, max(1, max_len), self.dtype)
-
-    def reset(self, cache: KVCache | None = None) -> None:
-        """Empty a KV cache (default: the engine's own; start a new sequence)."""
-        (cache or self.cache).reset()
-
-    def truncate(self, length: int, cache: KVCache | None = None) -> None:
-        """Roll a KV cache (default: the engine's own) back to its first ``length`` positions."""
-        (cache or self.cache).crop(length)
 
     # -- primitives ------------------------------------------------------------------------------
     def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
@@ -290,46 +335,17 @@ class Engine:
         """Final norm + LM head: ``[B, T, d] -> [B, T, vocab]`` float32 logits."""
         return self.adapter.logits(hidden).float()
 
+    def propagate(self, state: StepState, layer: int, hidden: torch.Tensor) -> None:
+        """The ``propagate`` bridge (CALM's state propagation): write the K/V of layers ``layer .. L-1`` at this
+        forward's positions as each layer's own projection of the exit state ``hidden [B, T, d]``, so later tokens
+        attend to them as to computed K/V (:mod:`laserlm.depth.bridge`)."""
+        a = self.adapter
+        for j in range(layer, a.num_layers):
+            cos, sin = state.rope[a.layer_types[j]]
+            k, v = project_kv(a.layers[j], hidden, cos, sin)
+            state.window.cache.write(j, state.start, k, v)
+
     def commit(self, state: StepState) -> None:
         """Make the positions of this forward part of its cache."""
         if state.window is not None:
             state.window.cache.commit(state.window)
-
-    # -- full depth ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, logits: str = "last", use_cache: bool = True,
-                start: int | None = None, cache: KVCache | None = None) -> ForwardOutput:
-        """Full-depth forward of ``input_ids [B, T]`` (or ``[T]``) at ``start`` (default: after the cached
-        positions) in ``cache`` (default: the engine's own).
-
-        Args:
-            logits: ``"last"`` (logits of the last position only, ``[B, 1, V]``) or ``"all"`` (``[B, T, V]``).
-            use_cache: read and extend the KV cache (False: a stand-alone forward from position 0,
-                any batch size; used by evaluation).
-        """
-        if logits not in ("last", "all"):
-            raise InvalidArgumentError(f"logits must be 'last' or 'all', got {logits!r}")
-        hidden, state = self.begin(input_ids, start=start, cache=cache, use_cache=use_cache)
-        hidden = self.run_layers(0, self.num_layers, hidden, state)
-        self.commit(state)
-        if logits == "last":
-            hidden = hidden[:, -1:]
-        out = self.head(hidden)
-        t = state.positions.shape[0]
-        return ForwardOutput(out, StepStats(t, [self.num_layers] * t, time.perf_counter() - state.t0))
-
-    def prefill(self, input_ids: torch.Tensor, cache=None, start: int = 0) -> ForwardOutput:
-        """Process prompt tokens ``[B, T]`` at full depth from position ``start`` of ``cache`` (default: the
-        engine's own), which is first cut back to ``start`` positions (``start > 0``: the first positions are
-        already there, from a shared prefix or earlier prefill chunks); returns the last position's logits
-        ``[B, 1, V]``."""
-        cache = self.cache if cache is None else cache
-        cache.crop(start)
-        return self.forward(input_ids, logits="last", start=start, cache=cache)
-
-    def decode_step(self, token_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
-        """One decode step after the cached positions: ``token_ids [B]`` or ``[B, 1]`` -> next-token logits
-        ``[B, 1, V]``."""
-        if token_ids.dim() == 1:
-            token_ids = token_ids.unsqueeze(-1)
-        return self.forward(token_ids, logits="last", cache=cache)

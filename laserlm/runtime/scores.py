@@ -1,5 +1,5 @@
 """Scores of target tokens: the result type of every scorer (the engine's, :class:`laserlm.evaluation.Scorer`, and
-onnxruntime's, :class:`laserlm.export.scoring.OnnxScorer`), so that the evaluator reads them alike.
+the onnxruntime engine's), so that the evaluator reads them alike.
 
 It sits in the runtime layer because the tools that score (``evaluation``, ``export``) may not import each other.
 """
