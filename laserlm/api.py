@@ -62,6 +62,10 @@ class LaserLM:
         Raises:
             InvalidArgumentError: unknown attention or bad sparse settings.
         """
+        if self.loaded is None:
+            if attention != "dense" or options:
+                raise InvalidArgumentError(f"{self.engine.describe()} has dense attention only")
+            return None
         from .attention import configure  # noqa: PLC0415
 
         return configure(self.engine, attention, **options)
@@ -327,6 +331,6 @@ def load_onnx(path, threads: int | None = None) -> LaserLM:
     """
     from .runtime.ort_engine import OnnxEngine, OnnxModel, load_tokenizer  # noqa: PLC0415
 
-    model = OnnxModel(path, threads=threads)
+    model = OnnxModel(path, threads=threads).warm()  # open every session now, not inside the first token's time
     return LaserLM.on_engine(OnnxEngine(model), load_tokenizer(model),
                              model.manifest["model"].get("eos_token_ids", []))

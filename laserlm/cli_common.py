@@ -175,7 +175,14 @@ def load_from_args(args):
         ModelNotFoundError / CorruptModelError / UnsupportedArchitectureError: as :func:`laserlm.load`.
     """
     from .api import load, load_onnx  # noqa: PLC0415
+    from .runtime.ort_engine import is_export_dir  # noqa: PLC0415
 
+    if is_export_dir(args.model) and getattr(args, "backend", "torch") != "onnxruntime":
+        command = getattr(args, "command", None) or "this command"
+        has_backend = getattr(args, "backend", None) is not None
+        raise InvalidArgumentError(f"{args.model} is an ONNX export: " + (
+            "run it with --backend onnxruntime" if has_backend else
+            f"{command} needs laserlm's own engine; give it the source model"))
     if getattr(args, "backend", "torch") == "onnxruntime":
         check_onnx_args(args)
         apply_threads(args)  # checks --threads; torch threads for the exit policies' small tensors

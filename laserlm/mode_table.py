@@ -97,6 +97,9 @@ def config_kernel(engine, config: str, default=_KEEP):
     :func:`laserlm.attention.kernel.configure`), else ``default`` (``_KEEP``: the engine's current kernel).
     The reference ``"full"`` always runs dense. The engine's kernel is left unchanged."""
     _, attn = split_config(config)
+    if attn is not None and isinstance(engine, OnnxEngine):
+        raise InvalidArgumentError(f"the onnxruntime backend has dense attention only: drop '@{attn}' from "
+                                   f"configuration '{config}'")
     if attn is None:
         return None if config == "full" else (engine.kernel if default is _KEEP else default)
     from .attention.kernel import configure  # noqa: PLC0415

@@ -16,7 +16,7 @@ from laserlm.depth import ExitGate, ExitHead, LaserArtifact, make_adaptive, save
 from laserlm.errors import ContextLengthError, CorruptModelError, InvalidArgumentError, ModelNotFoundError
 from laserlm.export.onnx import export_onnx
 from laserlm.export.tensorrt import batch_bounds, write_profile
-from laserlm.mode_table import make_mode
+from laserlm.mode_table import config_kernel, make_mode
 from laserlm.runtime.engine import Engine
 from laserlm.runtime.ort_engine import OnnxEngine, OnnxModel, read_manifest
 
@@ -184,6 +184,40 @@ def test_adaptive_threshold_override_changes_decisions_like_the_engine(tiny_lase
         logits, info = mode.decode(onnx, rs, cache, tok)
         assert info["exit_layer"] == eng.num_layers  # a gate probability never exceeds 1
         tok = int(logits.argmax())
+
+
+def test_adaptive_on_an_export_without_a_laser_file_equals_the_engine(tiny_llama_export):
+    """Exits without a trained head (no adapter graph) use the model's head on both engines: same exits, same
+    tokens (a confidence threshold below a tiny random model's top probabilities, so tokens exit)."""
+    eng, out = tiny_llama_export
+    spec = "adaptive:groups=2,min_depth=2,threshold=0.001,patience=0"
+    onnx = onnx_engine(out)
+    mode, omode = make_mode(spec, eng), make_mode(spec, onnx)
+    ids = torch.randint(0, 128, (5,), generator=torch.Generator().manual_seed(5))
+    rs, cache = mode.new_state(eng), eng.new_cache()
+    ors, ocache = omode.new_state(onnx), onnx.new_cache()
+    ref_tok = got_tok = int(mode.prefill_logits(eng, rs, cache, ids).argmax())
+    assert int(omode.prefill_logits(onnx, ors, ocache, ids).argmax()) == ref_tok
+    exits = []
+    for _ in range(12):
+        ref, info = mode.decode(eng, rs, cache, ref_tok)
+        got, ginfo = omode.decode(onnx, ors, ocache, got_tok)
+        assert ginfo["exit_layer"] == info["exit_layer"] and rel(got, ref) < 1e-4
+        exits.append(info["exit_layer"])
+        ref_tok, got_tok = int(ref.argmax()), int(got.argmax())
+    assert min(exits) < eng.num_layers
+
+
+def test_an_export_is_refused_where_laserlm_s_engine_is_needed(tiny_llama_export, tmp_path, capsys):
+    from helpers import run_cli
+
+    _, out = tiny_llama_export
+    assert "run it with --backend onnxruntime" in run_cli(capsys, ["generate", "--model", str(out), "hi"])
+    assert "needs laserlm's own engine" in run_cli(capsys, ["profile", "--model", str(out)])
+    with pytest.raises(InvalidArgumentError, match="dense attention only"):
+        config_kernel(onnx_engine(out), "full@sparse")
+    with pytest.raises(InvalidArgumentError, match="laser file not found"):
+        make_mode(f"adaptive:laser={tmp_path / 'no.laser'}", onnx_engine(out))
 
 
 @pytest.mark.parametrize("spec, match", [

@@ -75,6 +75,8 @@ def make_adaptive_onnx(engine, **opts) -> AdaptiveDepth:
     man = engine.onnx.manifest
     art = exported_laser(engine)
     if o.laser is not None:
+        if not Path(o.laser).is_file():
+            raise InvalidArgumentError(f"laser file not found: {o.laser}")
         if art is None:
             raise InvalidArgumentError(f"{engine.onnx.path} was exported without a laser file; re-export with "
                                        f"`laserlm export onnx --laser {o.laser}`")

@@ -191,8 +191,14 @@ class OnnxCache:
         self.v[layer] = np.concatenate([self.v[layer][:, :, :start], v], axis=2)
 
     def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions."""
-        self.length = min(self.length, int(length))
+        """Keep the first ``length`` positions.
+
+        Raises:
+            ContextLengthError: ``length`` above the cached positions.
+        """
+        if not 0 <= int(length) <= self.length:
+            raise ContextLengthError(f"cannot crop a cache of {self.length} positions to {length}")
+        self.length = int(length)
         self.k = [x[:, :, :self.length] for x in self.k]
         self.v = [x[:, :, :self.length] for x in self.v]
 
@@ -247,7 +253,8 @@ class OnnxEngine(EngineCalls):
         self.max_seq_len = model.max_len
         self.max_batch = model.max_batch
         self.bounds = [(g["start"], g["stop"]) for g in man["groups"]]
-        self.exit_adapter = {e["layer"]: e["adapter"] for e in man["exits"]}
+        # exit layer -> adapter graph, for the exits with a trained head (the others use the model's head)
+        self.exit_adapter = {e["layer"]: e["adapter"] for e in man["exits"] if e.get("adapter")}
         self.config = SimpleNamespace(vocab_size=m["vocab_size"], hidden_size=m["hidden_size"],
                                       num_hidden_layers=m["num_layers"])
         self.weights = man.get("weights", "fp32")
@@ -299,6 +306,9 @@ class OnnxEngine(EngineCalls):
             start = cache.length if start is None else int(start)
             if not 0 <= start <= cache.length:
                 raise InvalidArgumentError(f"start {start} is outside the cached positions 0-{cache.length}")
+            if start + t < cache.length:  # KVCache keeps the later positions; these arrays are rewritten from start
+                raise InvalidArgumentError(f"a forward at {start} of {t} tokens would drop cached positions "
+                                           f"{start + t}-{cache.length - 1}: crop the cache first")
             if start + t > cache.max_len:
                 raise ContextLengthError(f"{start} cached + {t} new tokens exceed the cache's {cache.max_len} positions")
         else:
