@@ -192,11 +192,9 @@ def _digest(obj) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()[:16]
+    from .models.weights_hash import file_sha256  # noqa: PLC0415 (torch is imported only when needed)
+
+    return file_sha256(path)[:16]
 
 
 def _data_key(source) -> str:

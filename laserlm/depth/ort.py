@@ -9,10 +9,10 @@ first layer's states (router) or token embeddings (complexity predictor), which 
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from ..errors import CorruptModelError, InvalidArgumentError
+from ..models.weights_hash import file_sha256
 from ..runtime.options import from_spec
 from . import AdaptiveOptions, adaptive_settings, make_groups
 from .adaptive import AdaptiveDepth
@@ -21,13 +21,6 @@ from .heads import ExitGate
 from .laser_file import LaserArtifact, read_metadata
 from .policies import find_predictor
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def exported_laser(engine) -> LaserArtifact | None:
@@ -80,7 +73,7 @@ def make_adaptive_onnx(engine, **opts) -> AdaptiveDepth:
         if art is None:
             raise InvalidArgumentError(f"{engine.onnx.path} was exported without a laser file; re-export with "
                                        f"`laserlm export onnx --laser {o.laser}`")
-        if _sha256(Path(o.laser)) != _sha256(art.path):
+        if file_sha256(Path(o.laser)) != file_sha256(art.path):
             raise InvalidArgumentError(f"laser file {o.laser} is not the one exported to {engine.onnx.path}; "
                                        "re-export with it")
     exported = LayerGroups(tuple(engine.bounds), engine.num_layers, man["min_depth"])

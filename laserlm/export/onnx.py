@@ -29,7 +29,6 @@ overwritten.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgumentError
+from ..models.weights_hash import file_sha256
 from . import graphs as G
 from ..runtime.options import is_int
 from ..runtime.ort_engine import MANIFEST, MANIFEST_VERSION
@@ -58,13 +58,6 @@ def _layer_io(start: int, stop: int, prefix: str, n_kv: int, hd: int, axis: str)
             out.append(_io(f"{prefix}_{kv}_{j}", "float32", ["batch", n_kv, axis, hd]))
     return out
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _export_one(module, args: tuple, path: Path, inputs: list, outputs: list) -> None:
@@ -214,7 +207,7 @@ def export_onnx(engine, out_dir, groups=None, laser=None, max_batch: int = 1, ma
                 path = out / f"{name}.onnx"
                 _export_one(build(), args, path, inputs, outputs)
                 graphs[name] = {"file": path.name, "inputs": inputs, "outputs": outputs,
-                                "bytes": path.stat().st_size, "sha256": _sha256(path),
+                                "bytes": path.stat().st_size, "sha256": file_sha256(path),
                                 "export_s": round(time.perf_counter() - t0, 3)}
     finally:
         cfg._attn_implementation = old_impl
@@ -273,7 +266,7 @@ def _quantize_graphs(engine, packed, out: Path, graphs: dict, accuracy_level: in
         kept += r["float"]
         for fmt in r["quantized"].values():
             formats[fmt] = formats.get(fmt, 0) + 1
-        g["bytes"], g["sha256"] = path.stat().st_size, _sha256(path)
+        g["bytes"], g["sha256"] = path.stat().st_size, file_sha256(path)
     if not formats:
         raise InvalidArgumentError(f"no matrix of the exported graphs has {_weights_name(packed)} blocks")
     return {"accuracy_level": accuracy_level, "matrices": formats, "float_matmuls": kept}

@@ -17,8 +17,8 @@ starts at position 0, as in real use. Only the positions that predict a generate
 those are the positions a generated answer is scored on; prompt positions (with a repeated system prompt that is
 trivially predictable) would dilute the risk. Heads and gates still train on every position.
 
-Generation runs on the calibration engine (full depth, its KV cache), batching prompts of equal token length (no
-padding, so each row is the unbatched greedy output up to float reassociation).
+Generation runs on the calibration engine at full depth through the continuous-batching scheduler, in batches of
+prompts of equal token length (each row is the unbatched greedy output up to float reassociation).
 """
 
 from __future__ import annotations
@@ -87,15 +87,20 @@ def shipped_prompts() -> list[str]:
 
 @torch.inference_mode()
 def _greedy(engine, ids: torch.Tensor, n: int) -> torch.Tensor:
-    """``n`` full-depth greedy tokens after each row of ``ids [B, P]`` (no stop token), with the engine's KV cache
-    (the engine's own layer loop: ~10x faster here than calling the transformers module step by step)."""
-    cache = engine.new_cache(max_len=ids.shape[1] + n, batch_size=ids.shape[0])
-    nxt = engine.prefill(ids, cache=cache).logits[:, -1].argmax(-1)
-    toks = [nxt]
-    for _ in range(n - 1):
-        nxt = engine.decode_step(nxt, cache=cache).logits[:, -1].argmax(-1)
-        toks.append(nxt)
-    return torch.stack(toks, 1)
+    """``[B, n]``: ``n`` full-depth greedy tokens after each row of ``ids [B, P]``, EOS not stopping them, produced
+    by the one decode path (:class:`~laserlm.runtime.scheduler.Scheduler`, every row in one batch)."""
+    from ..runtime.modes import FullDepth  # noqa: PLC0415
+    from ..runtime.sampling import SamplingParams  # noqa: PLC0415
+    from ..runtime.scheduler import BatchConfig, Scheduler  # noqa: PLC0415
+
+    b, p = ids.shape
+    sched = Scheduler(engine, BatchConfig(kv_budget=f"{b * (p + n + 16)}t", max_batch=b, max_queue=b,
+                                          prefill_chunk=max(256, b * p)))
+    params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    mode = FullDepth()
+    rids = [sched.submit(row, params, mode, max_tokens=n) for row in ids]
+    sched.run()
+    return torch.tensor([sched.get(r).request.output_ids for r in rids], dtype=torch.long)
 
 
 def chat_token_stream(engine, n_records: int, seq_len: int, root: Path, batch: int = 64,
