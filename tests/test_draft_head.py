@@ -105,6 +105,44 @@ def test_training_resumes_to_the_same_weights(one_thread, tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_features_and_records_are_reused_only_for_the_same_data(one_thread, tmp_path, monkeypatch):
+    """The work directory's features.pt is read back for the same records and model, rebuilt for other records or
+    a damaged file; records.pt likewise (keyed by sizes, data and model)."""
+    import laserlm.training.draft_head as dh  # noqa: PLC0415
+
+    eng = tiny(seed=2)
+    recs = sampled_records(eng, 6, 12, seed=2)
+    calls = []
+    real = dh.collect_features
+
+    def counting(engine, records, **kw):
+        calls.append(records.shape)
+        return real(engine, records, **kw)
+
+    monkeypatch.setattr(dh, "collect_features", counting)
+    first, _ = train_draft_head(eng, recs, vocab=16, epochs=1, batch=3, work_dir=tmp_path, progress=False)
+    again, _ = train_draft_head(eng, recs, vocab=16, epochs=1, batch=3, work_dir=tmp_path / "other", progress=False)
+    assert len(calls) == 2  # two directories, two collections
+    (tmp_path / "draft_head.ckpt").unlink()
+    cached, _ = train_draft_head(eng, recs, vocab=16, epochs=1, batch=3, work_dir=tmp_path, progress=False)
+    assert len(calls) == 2  # same records and model: read back
+    for a, b in zip(again.head.state_dict().values(), cached.head.state_dict().values()):
+        assert torch.equal(a, b)
+    (tmp_path / "draft_head.ckpt").unlink()
+    train_draft_head(eng, recs.flip(0), vocab=16, epochs=1, batch=3, work_dir=tmp_path, progress=False)
+    assert len(calls) == 3  # other records: collected again
+    (tmp_path / "features.pt").write_bytes(b"damaged")
+    (tmp_path / "draft_head.ckpt").unlink()
+    train_draft_head(eng, recs, vocab=16, epochs=1, batch=3, work_dir=tmp_path, progress=False)
+    assert len(calls) == 4
+
+    made = []
+    monkeypatch.setattr(dh, "_make_records", lambda *a: made.append(a) or (recs, {"n": len(made)}))
+    for chat in (2, 2, 3):
+        dh.training_records(eng, chat, 0, 12, data="d", progress=False, work_dir=tmp_path)
+    assert len(made) == 2  # the second call read records.pt; another size made them again
+
+
 def test_file_round_trip_and_refusals(one_thread, trained, tmp_path):
     eng, dm, rep = trained
     path = save_draft_head(tmp_path / "h.safetensors", eng, dm.head, dm.vocab_ids, rep)
@@ -208,7 +246,7 @@ def test_cli_trains_a_head_that_the_mode_loads(tmp_path, capsys):
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["records"] == [6, 96] and report["vocab"] == 256
-    assert not out.with_name("h.safetensors.work").exists()  # the finished run's checkpoint is removed
+    assert not out.with_name("h.safetensors.work").exists()  # checkpoint and data are removed after a finished run
     lm = laserlm.load("smollm2-135m", weights="native")
     res = lm.generate("Tell me a story.", chat=True, max_new_tokens=12, ignore_eos=True,
                       mode=f"speculative:draft=head,head={out}")

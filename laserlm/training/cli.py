@@ -189,7 +189,12 @@ def add_parser(subparsers) -> None:
                    help="stop after the epoch in which this much time has passed (resume later with the same "
                         "--work-dir)")
     p.add_argument("--work-dir", default=None, help="checkpoint directory (default: <output>.work); a checkpoint "
-                                                   "there with the same settings is resumed")
+                                                   "there with the same settings is resumed, and the generated "
+                                                   "records and target features (records.pt, features.pt) are "
+                                                   "reused by a run on the same data and model")
+    p.add_argument("--keep-data", action="store_true",
+                   help="keep records.pt and features.pt in --work-dir after a finished run (to train more heads on "
+                        "the same data: another --vocab, --epochs or --lr); by default they are deleted")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the training report as JSON")
@@ -288,8 +293,8 @@ def cmd_train_draft_head(args) -> int:
     work = Path(args.work_dir) if args.work_dir is not None else out.with_name(out.name + ".work")
     lm = load_from_args(args)
     records, data_report = training_records(lm.engine, args.chat_records, args.text_records, args.seq_len, args.data,
-                                            progress=not args.quiet, instruction_records=args.instruction_records)
-    work.mkdir(parents=True, exist_ok=True)
+                                            progress=not args.quiet, instruction_records=args.instruction_records,
+                                            work_dir=work)
     dm, report = train_draft_head(lm.engine, records, vocab=args.vocab, epochs=args.epochs, lr=args.lr,
                                   batch=args.batch, intermediate_size=args.intermediate_size, work_dir=work,
                                   max_minutes=args.max_minutes, seed=args.seed, progress=not args.quiet)
@@ -300,8 +305,15 @@ def cmd_train_draft_head(args) -> int:
         return 0
     save_draft_head(out, lm.engine, dm.head, dm.vocab_ids, report)
     (work / "draft_head.ckpt").unlink(missing_ok=True)  # finished: the checkpoint only served resuming
-    if not any(work.iterdir()):
+    kept = sorted(p.name for p in work.iterdir())
+    if kept and not args.keep_data:
+        for name in ("records.pt", "features.pt"):
+            (work / name).unlink(missing_ok=True)
+        kept = sorted(p.name for p in work.iterdir())
+    if not kept:
         work.rmdir()
+    elif not args.quiet:
+        print(f"kept {', '.join(kept)} in {work} for further runs (--keep-data)", file=sys.stderr)
     if args.json:
         print(json.dumps(report))
     else:

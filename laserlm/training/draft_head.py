@@ -42,6 +42,38 @@ def collect_features(engine, records: torch.Tensor, batch: int = 8, progress: bo
     return torch.cat(feats), torch.cat(top)
 
 
+def model_key(engine) -> dict:
+    """What a cached record or feature depends on besides the data: the weights' identity, format and dtype."""
+    from ..models.weights_hash import weights_sha256  # noqa: PLC0415
+
+    return {"weights_sha256": weights_sha256(engine.model), "weights": engine.weights, "dtype": str(engine.dtype)}
+
+
+def _digest(t: torch.Tensor) -> str:
+    import hashlib  # noqa: PLC0415
+
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+def _cached(path: Path | None, key: dict, make):
+    """``make()``'s value, stored at ``path`` with ``key`` and read back while the key is equal (a different or
+    unreadable file is rebuilt and overwritten); ``path=None``: no cache."""
+    if path is not None and path.is_file():
+        try:
+            saved = torch.load(path, weights_only=True)
+            if saved.get("key") == key:
+                return saved["value"]
+        except Exception:  # noqa: BLE001 (a damaged cache is rebuilt, never trusted)
+            pass
+    value = make()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save({"key": key, "value": value}, tmp)
+        tmp.replace(path)
+    return value
+
+
 def pick_vocab(top: torch.Tensor, k: int, vocab_size: int) -> torch.Tensor:
     """The ``k`` most frequent ids of ``top`` (ties: smaller id first), padded with the smallest unused ids when
     fewer than ``k`` distinct ids occur -> ``[k]`` int64, sorted."""
@@ -84,7 +116,9 @@ def train_draft_head(engine, records: torch.Tensor, vocab: int = 4096, epochs: i
     if not (isinstance(lr, (int, float)) and 0 < lr < 1):
         raise InvalidArgumentError(f"lr must be in (0, 1), got {lr!r}")
     t0 = time.perf_counter()
-    feats, top = collect_features(engine, records, progress=progress)
+    feats, top = _cached(None if work_dir is None else Path(work_dir) / "features.pt",
+                         {"records": _digest(records)} | model_key(engine),
+                         lambda: collect_features(engine, records, progress=progress))
     vocab = min(vocab, engine.config.vocab_size)
     vocab_ids = pick_vocab(top, vocab, engine.config.vocab_size)
     with torch.inference_mode():
@@ -182,7 +216,13 @@ TEMPLATES = ("Write a short poem about {t}.", "Give me three tips about {t}.", "
              "List five ideas related to {t}.", "Why do people enjoy {t}?", "Summarise the history of {t}.",
              "Write a short dialogue between two friends about {t}.", "What questions should I ask about {t}?",
              "Suggest a weekend plan involving {t}.", "Write a product description for {t}.",
-             "What are common mistakes with {t}?", "Compare {t} with something similar.")
+             "What are common mistakes with {t}?", "Compare {t} with something similar.",
+             "Explain how {t} works, step by step.", "Write the opening paragraph of a story about {t}.",
+             "What are three surprising facts about {t}?", "Write a short blog post about {t}.",
+             "Give me a simple explanation of {t} for a busy adult.",
+             "What is the most important thing to remember about {t}?", "Write a riddle whose answer is {t}.",
+             "Plan a one-hour lesson on {t}.", "Describe a typical day for someone who loves {t}.",
+             "Write a persuasive paragraph about {t}.")
 TOPICS = ("gardening", "the moon", "coffee", "a lost dog", "volcanoes", "learning French", "chess", "rainy days",
           "bicycles", "the ocean", "robots", "baking bread", "friendship", "mountains", "a small town", "jazz music",
           "saving money", "penguins", "the internet", "winter", "camping", "painting", "trains", "honey bees",
@@ -191,7 +231,18 @@ TOPICS = ("gardening", "the moon", "coffee", "a lost dog", "volcanoes", "learnin
           "electric cars", "a job interview", "the solar system", "knitting", "libraries", "a thunderstorm",
           "learning to swim", "city parks", "owls", "pizza", "yoga", "writing a novel", "a road trip", "castles",
           "the human heart", "clouds", "an old lighthouse", "soccer", "meditation", "rivers", "a bakery",
-          "space travel", "autumn leaves", "programming", "elephants", "moving house", "tea ceremonies", "islands")
+          "space travel", "autumn leaves", "programming", "elephants", "moving house", "tea ceremonies", "islands",
+          "volleyball", "the Roman empire", "sourdough", "houseplants", "octopuses", "the printing press",
+          "board games", "climate change", "a village market", "sailing", "glaciers", "the violin", "first aid",
+          "spreadsheets", "ancient Egypt", "a night train", "origami", "fireflies", "budget travel",
+          "the stock market", "carpentry", "whales", "the moon landing", "poetry", "wolves", "hot air balloons",
+          "a science fair", "bridges", "the Olympic games", "a cozy cafe", "tigers", "coral reefs", "street food",
+          "a school play", "kites", "earthquakes", "the ancient Greeks", "sushi", "comic books", "mushrooms",
+          "a snowy cabin", "cybersecurity", "tennis", "a music festival", "the post office", "dolphins",
+          "chocolate", "a broken phone", "learning guitar", "the Arctic", "a street musician", "rock climbing",
+          "a talking parrot", "mathematics", "folk tales", "the water cycle", "a treasure map", "skateboarding",
+          "a family dinner", "wind turbines", "ice cream", "the brain")
+INSTRUCTIONS_VERSION = 2  # bump when TEMPLATES or TOPICS change (it seeds the order and keys the records cache)
 
 
 def instruction_prompts() -> list[str]:
@@ -200,18 +251,30 @@ def instruction_prompts() -> list[str]:
     import random  # noqa: PLC0415
 
     out = [t.format(t=topic) for t in TEMPLATES for topic in TOPICS]
-    random.Random("instructions:1").shuffle(out)
+    random.Random(f"instructions:{INSTRUCTIONS_VERSION}").shuffle(out)
     return out
 
 
 def training_records(engine, chat_records: int, text_records: int, seq_len: int, data=None, progress: bool = True,
-                     instruction_records: int = 0):
+                     instruction_records: int = 0, work_dir: str | Path | None = None):
     """``[chat_records + instruction_records + text_records, seq_len]`` token records (module docstring) and a report.
+    With ``work_dir``, the records are kept in ``records.pt`` there and reused by a run with the same sizes, data
+    and model (generating the answers is most of the data's cost).
 
     Raises:
         DataFileError: a data file is missing (the message names ``--data``).
         InvalidArgumentError: not enough text or questions for the sizes asked.
     """
+    from .chat_text import CHAT_TEXT_VERSION  # noqa: PLC0415
+
+    key = {"chat": chat_records, "instructions": instruction_records, "text": text_records, "seq_len": seq_len,
+           "data": str(data), "versions": [CHAT_TEXT_VERSION, INSTRUCTIONS_VERSION]} | model_key(engine)
+    return _cached(None if work_dir is None else Path(work_dir) / "records.pt", key,
+                   lambda: _make_records(engine, chat_records, text_records, seq_len, data, progress,
+                                         instruction_records))
+
+
+def _make_records(engine, chat_records, text_records, seq_len, data, progress, instruction_records):
     from ..data import data_root  # noqa: PLC0415
     from .chat_text import chat_token_stream  # noqa: PLC0415
     from .collect import load_text_tokens  # noqa: PLC0415
