@@ -268,6 +268,60 @@ def test_parsers_on_real_lines(tmp_path):
     assert D.read_wikitext(REAL / "wikitext-2/test.txt").startswith(" \n = Robert <unk> = \n")
 
 
+GLUE_ROWS = {"sst2": {"sentence": "it 's a charming and often affecting journey . ", "label": 1},
+             "rte": {"sentence1": "The cat sat on the mat.", "sentence2": "A cat is sitting.", "label": 0},
+             "mrpc": {"sentence1": "He left early.", "sentence2": "He departed ahead of time.", "label": 1},
+             "qnli": {"question": "Where do cats sit?", "sentence": "Cats sit on mats.", "label": 1}}
+
+
+@pytest.mark.parametrize("task", list(GLUE_ROWS))
+def test_glue_prompts_equal_lm_evals_own_task_files(task):
+    """Context, choices and gold of each GLUE item equal what lm-eval's own glue/<task>/default.yaml renders."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import jinja2
+    import yaml
+
+    spec = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "glue" / task / "default.yaml").read_text())
+    row = GLUE_ROWS[task]
+    (item,) = D.read_glue(task, [row])
+    assert item.context == jinja2.Template(spec["doc_to_text"], keep_trailing_newline=True).render(**row)
+    assert item.choices == spec["doc_to_choice"] and item.gold == row[spec["doc_to_target"]]
+
+
+def test_glue_tsv_files_as_glue_ships_them(tmp_path):
+    """GLUE's dev TSV layouts (string labels for RTE/QNLI, MRPC's own header) read as the dataset rows do; hidden
+    test labels and missing columns are one clear error."""
+    (tmp_path / "rte.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\tA \"quoted\" line.\tB.\tnot_entailment\n"
+                                      "1\tC.\tD.\tentailment\n")
+    rte = D.read_glue("rte", tmp_path / "rte.tsv")
+    assert [i.gold for i in rte] == [1, 0] and rte[0].context.startswith('A "quoted" line.\nQuestion: B. True')
+    (tmp_path / "mrpc.tsv").write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t7\t8\tHe left.\tHe went.\n")
+    (mrpc,) = D.read_glue("mrpc", tmp_path / "mrpc.tsv")
+    assert mrpc.gold == 1 and mrpc.context.startswith("Sentence 1: He left.\nSentence 2: He went.\n")
+    (tmp_path / "test.tsv").write_text("index\tquestion\tsentence\tlabel\n0\tq?\ts.\t-1\n")
+    with pytest.raises(D.DataFileError, match="hidden: use the validation split"):
+        D.read_glue("qnli", tmp_path / "test.tsv")
+    with pytest.raises(D.DataFileError, match="row 1 has no sentence2"):
+        D.read_glue("rte", [{"sentence1": "x", "label": 0}])
+    if REAL.is_dir():
+        sst = D.load_task("sst2", REAL)
+        assert len(sst) == 872 and sum(i.gold for i in sst) == 444  # GLUE SST-2 dev: 444 positive of 872
+        assert sst[1].context.startswith("unflinchingly bleak and desperate \nQuestion:") and sst[1].gold == 0
+
+
+def test_glue_task_scores_obvious_items_and_mrpc_f1(smol, tmp_path):
+    (tmp_path / "glue" / "SST-2").mkdir(parents=True)
+    (tmp_path / "glue" / "SST-2" / "dev.tsv").write_text(
+        "sentence\tlabel\nan absolutely wonderful , joyous and beautiful film . \t1\n"
+        "a terrible , boring and awful mess . \t0\n")
+    res = Evaluator(smol, ["test_copy"], EvalSettings(data_dir=str(tmp_path), progress=False)).run("sst2")
+    assert res["full"]["acc"] == 1.0 and res["full"]["n"] == 2 and res["test_copy"]["choice_agreement"] == 1.0
+    from laserlm.evaluation.tasks import f1_score
+
+    preds, gold = [1, 1, 0, 0, 1], [1, 0, 0, 1, 1]  # tp 2, fp 1, fn 1 -> 2*2 / (4 + 1 + 1)
+    assert f1_score(preds, gold) == pytest.approx(4 / 6) and f1_score([0, 0], [0, 0]) == 0.0
+
+
 # -- bad input -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     (["--tasks", "piqa", "--data-dir", "/nonexistent/dir"], "data file for task 'piqa' not found: /nonexistent/dir"),

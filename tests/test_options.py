@@ -15,7 +15,7 @@ from laserlm.depth import AdaptiveOptions, StaticOptions
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.modes import parse_spec
 from laserlm.runtime.options import from_spec
-from laserlm.speculative.self_speculative import OPTIONS, SpeculativeOptions
+from laserlm.speculative.factory import OPTIONS, SpeculativeOptions
 
 
 @dataclass

@@ -26,12 +26,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "eval", help="measure quality: perplexity, zero-shot tasks, agreement with full depth",
         description="Evaluate decoding-mode configurations on WikiText-2 perplexity, LAMBADA, HellaSwag, "
-                    "ARC-Easy and PIQA (scored like lm-evaluation-harness) and agreement with the full-depth "
-                    "model. The full-depth reference is always evaluated and shown first.")
+                    "ARC-Easy, PIQA and GLUE SST-2/RTE/MRPC/QNLI dev (zero-shot, scored like "
+                    "lm-evaluation-harness) and agreement with the full-depth model. The full-depth reference is "
+                    "always evaluated and shown first.")
     add_model_args(p)
     add_config_args(p)
     p.add_argument("--tasks", default=DEFAULT_TASKS,
-                   help=f"comma-separated subset of {','.join(TASKS)} (default: all)")
+                   help=f"comma-separated subset of {','.join(TASKS)} (default: {DEFAULT_TASKS})")
     p.add_argument("--limit", type=int, default=None,
                    help="items per task (seeded random subset; for agreement: prompts)")
     p.add_argument("--ppl-windows", type=int, default=None,

@@ -9,12 +9,19 @@ lm-evaluation-harness task definitions (``lm_eval/tasks/{lambada,hellaswag,arc,p
 | hellaswag  | ``hellaswag/hellaswag_val_full.txt.bz2``  | ``"{activity}: {ctx}"``          | ``" " + ending`` x4  |
 | arc_easy   | ``arc/ARC-Easy-Test.jsonl``               | ``"Question: {stem}\\nAnswer:"`` | ``" " + choice``     |
 | piqa       | ``piqa/valid.jsonl`` + ``valid-labels.lst`` | ``"Question: {goal}\\nAnswer:"`` | ``" " + sol1/sol2``  |
+| sst2, rte, mrpc, qnli | ``glue/{SST-2,RTE,MRPC,QNLI}/dev.tsv`` | lm-eval's ``glue/<task>`` prompt (:data:`GLUE`) | ``" " + label word`` |
 
 The data source (``laserlm eval --data``) is resolved by :mod:`laserlm.data`: a data directory holding
 the files above (default ``$LASERLM_DATA``, or ``../shared/data`` next to a source checkout), one task's
 file, or a Hugging Face dataset ``hf:NAME[:CONFIG[:SPLIT]]`` (default split ``test``) for the tasks that
 read a ``text`` column: ``wikitext`` (e.g. ``hf:wikitext:wikitext-2-v1``) and ``lambada`` (e.g.
-``hf:EleutherAI/lambada_openai:default``).
+``hf:EleutherAI/lambada_openai:default``), and for the GLUE tasks (default split ``validation``: GLUE's test labels
+are hidden), e.g. ``hf:nyu-mll/glue:rte``.
+
+GLUE (zero-shot, as lm-eval's ``glue`` tasks: no few-shot examples): the dev TSVs as GLUE distributes them (a
+header row; RTE/QNLI labels ``entailment`` / ``not_entailment``, MRPC's ``Quality`` / ``#1 String`` /
+``#2 String`` columns) or the ``nyu-mll/glue`` dataset's rows; ``gold`` is GLUE's integer label, which indexes the
+task's choices.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from ..errors import DataFileError, InvalidArgumentError
 
 __all__ = ["DataFileError", "ChoiceItem", "LambadaItem", "TASK_FILES", "HF_TASKS", "default_data_dir",
            "task_source", "task_paths", "load_task", "read_wikitext", "read_lambada", "read_hellaswag", "read_arc",
-           "read_piqa"]
+           "read_piqa", "read_glue", "GLUE"]
 
 
 @dataclass
@@ -60,10 +67,29 @@ TASK_FILES = {
     "arc_easy": ("arc/ARC-Easy-Test.jsonl",),
     "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
     "longtext": ("gutenberg/1400-0.txt",),  # one long document (laserlm.evaluation.longtext)
+    "sst2": ("glue/SST-2/dev.tsv",),
+    "rte": ("glue/RTE/dev.tsv",),
+    "mrpc": ("glue/MRPC/dev.tsv",),
+    "qnli": ("glue/QNLI/dev.tsv",),
 }
 
+# GLUE task -> (columns, prompt, choices): lm-eval's lm_eval/tasks/glue/<task>/default.yaml (doc_to_text,
+# doc_to_choice); the label indexes the choices.
+GLUE = {
+    "sst2": (("sentence",), "{sentence}\nQuestion: Is this sentence positive or negative?\nAnswer:",
+             ("negative", "positive")),
+    "rte": (("sentence1", "sentence2"), "{sentence1}\nQuestion: {sentence2} True or False?\nAnswer:",
+            ("True", "False")),
+    "mrpc": (("sentence1", "sentence2"),
+             "Sentence 1: {sentence1}\nSentence 2: {sentence2}\nQuestion: Do both sentences mean the same thing?"
+             "\nAnswer:", ("no", "yes")),
+    "qnli": (("question", "sentence"), "{question}\n{sentence}\nQuestion: Does this response answer the question?"
+             "\nAnswer:", ("yes", "no")),
+}
+_GLUE_TSV_NAMES = {"#1 String": "sentence1", "#2 String": "sentence2", "Quality": "label"}  # MRPC's own header
+_GLUE_LABELS = {"entailment": 0, "not_entailment": 1}
 
-HF_TASKS = ("wikitext", "lambada")  # tasks that can read a Hugging Face dataset (a "text" column)
+HF_TASKS = ("wikitext", "lambada", *GLUE)  # tasks that can read a Hugging Face dataset
 
 
 def default_data_dir() -> Path:
@@ -93,7 +119,7 @@ def task_source(task: str, data: str | Path | None = None) -> tuple[Path, ...] |
         raise InvalidArgumentError(f"unknown task '{task}'; available tasks: {', '.join(TASK_FILES)}")
     rels = TASK_FILES[task]
     what = f"data file for task '{task}'"
-    src = resolve(data, rels[0], what=what, default_split="test")
+    src = resolve(data, rels[0], what=what, default_split="validation" if task in GLUE else "test")
     if isinstance(src, HFDataset):
         if task not in HF_TASKS:
             raise InvalidArgumentError(f"--data {src}: task '{task}' reads local files only (Hugging Face datasets "
@@ -233,6 +259,48 @@ def read_piqa(path: str | Path, labels_path: str | Path) -> list[ChoiceItem]:
     return items
 
 
+def read_glue(task: str, source: Path | list[dict]) -> list[ChoiceItem]:
+    """The items of GLUE task ``task`` (:data:`GLUE`) from its dev TSV or a dataset's rows.
+
+    Raises:
+        DataFileError: unreadable file, a missing column, or a label that is not one of the task's (``-1``:
+            the hidden labels of GLUE's test split).
+    """
+    import csv  # noqa: PLC0415
+
+    columns, prompt, choices = GLUE[task]
+    name = str(source) if isinstance(source, Path) else f"{task} dataset"
+    if isinstance(source, Path):
+        text = read_text(source)
+        lines = list(csv.reader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE))
+        if not lines:
+            raise DataFileError(f"{name} is empty")
+        header = [_GLUE_TSV_NAMES.get(h.strip(), h.strip()) for h in lines[0]]
+        rows = [dict(zip(header, r)) for r in lines[1:] if r]
+    else:
+        rows = source
+    out = []
+    for i, row in enumerate(rows):
+        missing = [c for c in (*columns, "label") if row.get(c) is None]
+        if missing:
+            raise DataFileError(f"{name}: row {i + 1} has no {', '.join(missing)} (columns: {', '.join(row)})")
+        label = row["label"]
+        label = _GLUE_LABELS.get(label, label) if isinstance(label, str) else label
+        try:
+            gold = int(label)
+        except (TypeError, ValueError):
+            gold = -2
+        if not 0 <= gold < len(choices):
+            hint = " (GLUE's test labels are hidden: use the validation split)" if gold == -1 else ""
+            raise DataFileError(f"{name}: row {i + 1} has label {row['label']!r}, not one of 0..{len(choices) - 1}"
+                                f"{hint}")
+        ctx = prompt.format(**{c: str(row[c]) for c in columns})  # as stored (lm-eval keeps SST-2's trailing blank)
+        out.append(ChoiceItem(ctx, list(choices), gold, str(row.get("idx", row.get("index", i)))))
+    if not out:
+        raise DataFileError(f"{name} has no items")
+    return out
+
+
 def load_task(task: str, data: str | Path | None = None):
     """Read the items of ``task`` (``str`` for wikitext, a list of items otherwise) from ``data`` (see
     :func:`task_source`).
@@ -242,6 +310,8 @@ def load_task(task: str, data: str | Path | None = None):
     """
     src = task_source(task, data)
     if isinstance(src, HFDataset):
+        if task in GLUE:
+            return read_glue(task, read_rows(src))
         if task == "wikitext":
             text = read_text(src)
             if not text.strip():
@@ -264,4 +334,6 @@ def load_task(task: str, data: str | Path | None = None):
         return read_hellaswag(paths[0])
     if task == "arc_easy":
         return read_arc(paths[0])
+    if task in GLUE:
+        return read_glue(task, paths[0])
     return read_piqa(*paths)

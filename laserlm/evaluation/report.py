@@ -23,6 +23,10 @@ COLUMNS = {
 CHOICE_COLUMNS = [("acc", "acc", ".4f", +1), ("acc_norm", "acc_norm", ".4f", +1),
                   ("choice_agreement", "answer agree", ".4f", +1), ("mean_layers", "layers/tok", ".2f", 0),
                   ("n", "n", "d", 0)]
+GLUE_COLUMNS = [("acc", "acc", ".4f", +1), ("choice_agreement", "answer agree", ".4f", +1),
+                ("mean_layers", "layers/tok", ".2f", 0), ("n", "n", "d", 0)]
+COLUMNS.update({"sst2": GLUE_COLUMNS, "rte": GLUE_COLUMNS, "qnli": GLUE_COLUMNS,
+                "mrpc": GLUE_COLUMNS[:1] + [("f1", "F1", ".4f", +1)] + GLUE_COLUMNS[1:]})
 
 
 def _fmt(v, fmt: str) -> str:

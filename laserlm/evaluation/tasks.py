@@ -11,6 +11,9 @@
 - ``hellaswag``, ``arc_easy``, ``piqa``: lm-eval multiple choice: ``acc`` = argmax of the summed
   log-likelihood of each continuation, ``acc_norm`` = argmax of log-likelihood / characters of the
   choice; standard errors ``sqrt(p(1-p)/(n-1))`` (lm-eval ``mean_stderr``).
+- ``sst2``, ``rte``, ``mrpc``, ``qnli``: GLUE dev sets, zero-shot with lm-eval's ``glue`` prompts
+  (:data:`~laserlm.evaluation.data.GLUE`): ``acc`` as above (one-word choices, so ``acc_norm`` adds nothing); ``mrpc``
+  also ``f1`` of the ``yes`` class (lm-eval's metric list).
 - ``agreement``: greedy top-1 agreement per position with the full model on WikiText-2 windows, and
   exact match / longest common prefix (tokens) of greedy generations on a prompt set.
 - ``longtext``: one long document (the Gutenberg novel, ``long_tokens`` tokens in one sequence): top-1
@@ -35,7 +38,7 @@ from ..mode_table import make_mode
 from .data import ChoiceItem, load_task
 from .scoring import Scorer, encode_pair
 
-TASKS = ("wikitext", "lambada", "hellaswag", "arc_easy", "piqa", "agreement", "longtext")
+TASKS = ("wikitext", "lambada", "hellaswag", "arc_easy", "piqa", "sst2", "rte", "mrpc", "qnli", "agreement", "longtext")
 REFERENCE = "full"
 
 
@@ -50,6 +53,15 @@ def select(n: int, limit: int | None, seed: int) -> list[int]:
     if limit is None or limit >= n:
         return list(range(n))
     return sorted(random.Random(seed).sample(range(n), limit))
+
+
+def f1_score(preds: list[int], gold: list[int], positive: int = 1) -> float:
+    """F1 of class ``positive`` (sklearn's ``f1_score`` for binary labels, which lm-eval's ``f1`` calls): ``2 tp /
+    (2 tp + fp + fn)``; 0.0 when the class is neither predicted nor present."""
+    tp = sum(p == positive and g == positive for p, g in zip(preds, gold))
+    fp = sum(p == positive and g != positive for p, g in zip(preds, gold))
+    fn = sum(p != positive and g == positive for p, g in zip(preds, gold))
+    return 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
 
 
 def stderr_of_mean(p: float, n: int) -> float:
@@ -312,6 +324,8 @@ class Evaluator:
                              "acc_norm_stderr": stderr_of_mean(acc_norm, n),
                              "choice_agreement": sum(a == b for a, b in zip(preds, ref_pred)) / n,
                              "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1)}
+            if task == "mrpc":
+                results[name]["f1"] = f1_score(preds, [it.gold for it, _, _ in encoded], positive=1)
         return results
 
     @staticmethod
@@ -335,6 +349,18 @@ class Evaluator:
 
     def _run_arc_easy(self):
         return self._run_choice_task("arc_easy")
+
+    def _run_sst2(self):
+        return self._run_choice_task("sst2")
+
+    def _run_rte(self):
+        return self._run_choice_task("rte")
+
+    def _run_mrpc(self):
+        return self._run_choice_task("mrpc")
+
+    def _run_qnli(self):
+        return self._run_choice_task("qnli")
 
     def _run_piqa(self):
         return self._run_choice_task("piqa")
@@ -363,6 +389,8 @@ class Evaluator:
                              "perplexity": math.exp(-sum(lls) / n),
                              "prediction_agreement": sum(bool(torch.equal(a, b)) for a, b in zip(preds, ref_pred)) / n,
                              "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1)}
+            if task == "mrpc":
+                results[name]["f1"] = f1_score(preds, [it.gold for it, _, _ in encoded], positive=1)
         return results
 
     # -- agreement -------------------------------------------------------------------------------
