@@ -107,7 +107,7 @@ def test_training_resumes_to_the_same_weights(one_thread, tmp_path):
 
 def test_features_and_records_are_reused_only_for_the_same_data(one_thread, tmp_path, monkeypatch):
     """The work directory's features.pt is read back for the same records and model, rebuilt for other records or
-    a damaged file; records.pt likewise (keyed by sizes, data and model)."""
+    a damaged file; records_<part>.pt likewise, per part (keyed by size, data and model)."""
     import laserlm.training.draft_head as dh  # noqa: PLC0415
 
     eng = tiny(seed=2)
@@ -137,10 +137,11 @@ def test_features_and_records_are_reused_only_for_the_same_data(one_thread, tmp_
     assert len(calls) == 4
 
     made = []
-    monkeypatch.setattr(dh, "_make_records", lambda *a: made.append(a) or (recs, {"n": len(made)}))
-    for chat in (2, 2, 3):
-        dh.training_records(eng, chat, 0, 12, data="d", progress=False, work_dir=tmp_path)
-    assert len(made) == 2  # the second call read records.pt; another size made them again
+    monkeypatch.setattr(dh, "_make_part", lambda engine, name, n, *a: made.append(name) or (recs[:n].reshape(-1), {}))
+    for chat, text in ((2, 1), (2, 1), (3, 1)):
+        got, _ = dh.training_records(eng, chat, text, 12, data="d", progress=False, work_dir=tmp_path)
+        assert torch.equal(got, torch.cat([recs[:chat], recs[:text]]))
+    assert made == ["chat", "text", "chat"]  # read back from records_<part>.pt; another chat size made chat again
 
 
 def test_file_round_trip_and_refusals(one_thread, trained, tmp_path):

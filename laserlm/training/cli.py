@@ -190,10 +190,10 @@ def add_parser(subparsers) -> None:
                         "--work-dir)")
     p.add_argument("--work-dir", default=None, help="checkpoint directory (default: <output>.work); a checkpoint "
                                                    "there with the same settings is resumed, and the generated "
-                                                   "records and target features (records.pt, features.pt) are "
-                                                   "reused by a run on the same data and model")
+                                                   "records and target features (records_*.pt, features.pt) "
+                                                   "are reused by a run on the same data and model")
     p.add_argument("--keep-data", action="store_true",
-                   help="keep records.pt and features.pt in --work-dir after a finished run (to train more heads on "
+                   help="keep records_*.pt and features.pt in --work-dir after a finished run (to train more heads on "
                         "the same data: another --vocab, --epochs or --lr); by default they are deleted")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -307,8 +307,8 @@ def cmd_train_draft_head(args) -> int:
     (work / "draft_head.ckpt").unlink(missing_ok=True)  # finished: the checkpoint only served resuming
     kept = sorted(p.name for p in work.iterdir())
     if kept and not args.keep_data:
-        for name in ("records.pt", "features.pt"):
-            (work / name).unlink(missing_ok=True)
+        for path in [*work.glob("records_*.pt"), work / "features.pt"]:
+            path.unlink(missing_ok=True)
         kept = sorted(p.name for p in work.iterdir())
     if not kept:
         work.rmdir()

@@ -258,8 +258,9 @@ def instruction_prompts() -> list[str]:
 def training_records(engine, chat_records: int, text_records: int, seq_len: int, data=None, progress: bool = True,
                      instruction_records: int = 0, work_dir: str | Path | None = None):
     """``[chat_records + instruction_records + text_records, seq_len]`` token records (module docstring) and a report.
-    With ``work_dir``, the records are kept in ``records.pt`` there and reused by a run with the same sizes, data
-    and model (generating the answers is most of the data's cost).
+    With ``work_dir``, each part (chat answers, instruction answers, text) is kept there as ``records_<part>.pt``
+    and reused by a run with the same size, data and model (generating the answers is most of the data's cost, and
+    an interrupted run keeps the parts it finished).
 
     Raises:
         DataFileError: a data file is missing (the message names ``--data``).
@@ -267,40 +268,40 @@ def training_records(engine, chat_records: int, text_records: int, seq_len: int,
     """
     from .chat_text import CHAT_TEXT_VERSION  # noqa: PLC0415
 
-    key = {"chat": chat_records, "instructions": instruction_records, "text": text_records, "seq_len": seq_len,
-           "data": str(data), "versions": [CHAT_TEXT_VERSION, INSTRUCTIONS_VERSION]} | model_key(engine)
-    return _cached(None if work_dir is None else Path(work_dir) / "records.pt", key,
-                   lambda: _make_records(engine, chat_records, text_records, seq_len, data, progress,
-                                         instruction_records))
+    if not (chat_records or instruction_records or text_records):
+        raise InvalidArgumentError("draft head training needs chat, instruction or text records (all are 0)")
+    base = {"seq_len": seq_len, "data": str(data), "versions": [CHAT_TEXT_VERSION, INSTRUCTIONS_VERSION]}
+    base |= model_key(engine)
+    parts, report = [], {"seq_len": seq_len}
+    for name, n in (("chat", chat_records), ("instructions", instruction_records), ("text", text_records)):
+        if n:
+            path = None if work_dir is None else Path(work_dir) / f"records_{name}.pt"
+            toks, rep = _cached(path, base | {"part": name, "records": n},
+                                lambda: _make_part(engine, name, n, seq_len, data, progress))
+            parts.append(toks.view(-1, seq_len))
+            report[name] = rep
+    return torch.cat(parts), report
 
 
-def _make_records(engine, chat_records, text_records, seq_len, data, progress, instruction_records):
+def _make_part(engine, name: str, n: int, seq_len: int, data, progress: bool) -> tuple[torch.Tensor, dict]:
+    """``(tokens [n * seq_len], report)`` of one part of :func:`training_records`."""
     from ..data import data_root  # noqa: PLC0415
     from .chat_text import chat_token_stream  # noqa: PLC0415
     from .collect import load_text_tokens  # noqa: PLC0415
 
-    parts, report = [], {"seq_len": seq_len}
-    if chat_records:
+    if name == "text":
+        text = load_text_tokens(engine.tokenizer, data, max_tokens=n * seq_len)
+        if text.numel() < n * seq_len:
+            raise InvalidArgumentError(f"calibration text has {text.numel()} tokens, fewer than {n} records of "
+                                       f"{seq_len}")
+        return text[:n * seq_len], {"records": n}
+    if name == "chat":
         root = Path(data) if data is not None and Path(data).is_dir() else data_root()
-        toks, _, rep = chat_token_stream(engine, chat_records, seq_len, root, progress=progress)
-        parts.append(toks.view(-1, seq_len))
-        report["chat"] = rep
-    if instruction_records:
+        toks, _, rep = chat_token_stream(engine, n, seq_len, root, progress=progress)
+    else:
         root = Path(data) if data is not None and Path(data).is_dir() else None
-        toks, _, rep = chat_token_stream(engine, instruction_records, seq_len, root, progress=progress,
-                                         questions=instruction_prompts())
-        parts.append(toks.view(-1, seq_len))
-        report["instructions"] = rep
-    if text_records:
-        text = load_text_tokens(engine.tokenizer, data, max_tokens=text_records * seq_len)
-        if text.numel() < text_records * seq_len:
-            raise InvalidArgumentError(f"calibration text has {text.numel()} tokens, fewer than {text_records} "
-                                       f"records of {seq_len}")
-        parts.append(text[:text_records * seq_len].view(text_records, seq_len))
-        report["text_records"] = text_records
-    if not parts:
-        raise InvalidArgumentError("draft head training needs chat, instruction or text records (all are 0)")
-    return torch.cat(parts), report
+        toks, _, rep = chat_token_stream(engine, n, seq_len, root, progress=progress, questions=instruction_prompts())
+    return toks, rep
 
 
 __all__ = ["collect_features", "pick_vocab", "train_draft_head", "training_records"]
