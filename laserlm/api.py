@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import torch
+
 from .errors import InvalidArgumentError
 from .models.loader import LoadedModel, load_model
 from .mode_table import make_mode
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationResult, IncrementalDecoder, encode_prompt, eos_token_ids
 from .runtime.loop import generate_tokens, summarize
+from .runtime.options import is_int
 from .runtime.ort_engine import is_export_dir
 from .runtime.sampling import SamplingParams
 from .runtime.scheduler import BatchConfig, Scheduler
@@ -112,9 +115,17 @@ class LaserLM:
                 not built yet while no builder is installed (the message says how to build it).
             DataFileError: a first build finds no calibration text.
         """
+        from .defaults import needs_default, resolve_spec  # noqa: PLC0415
+
         if self.loaded is None:  # an export: a bare adaptive is its own laser file
+            manifest = self.engine.onnx.manifest
+            if (isinstance(config, str) and not manifest.get("laser")
+                    and needs_default(config.split("@", 1)[0]) == "adaptive"):
+                raise InvalidArgumentError(
+                    f"bare '{config}' runs the export's certified laser file, and {self.engine.onnx.path} was exported "
+                    "without one: export with `laserlm export onnx --laser FILE`, or name an exit rule to run "
+                    "untrained exits (e.g. adaptive:threshold=0.99)")
             return config
-        from .defaults import resolve_spec  # noqa: PLC0415
 
         return resolve_spec(self, config, progress=progress)
 
@@ -280,7 +291,7 @@ class _Replay:
 
 
 def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int | None = None,
-         attention=None, weights: str = "auto", prefill_dtype: str = "auto", lora=None,
+         attention=None, weights: str = "auto", prefill_dtype: str = "auto", lora=None, threads: int | None = None,
          **attention_options) -> LaserLM:
     """Load a model by bundled name, ``.gguf`` file, local directory or cached hub id, or the export directory of
     ``laserlm export onnx`` (:func:`load_onnx`; the other arguments are then fixed by the export and refused).
@@ -304,10 +315,18 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
     ``dtype``: ``"float32"`` (default), ``"bfloat16"`` or ``"float16"`` (runs under the float16 guard: norms in
     float32, float32 fallback for a layer that would overflow, :mod:`laserlm.runtime.ranges`).
 
+    ``threads``: CPU threads; ``None`` keeps ``torch.get_num_threads()``. laserlm's engine runs on torch's
+    process-wide setting (``torch.set_num_threads``, which this sets); an export's onnxruntime sessions take it as
+    their intra-op threads.
+
     Raises:
         ModelNotFoundError, CorruptModelError, UnsupportedArchitectureError,
-        InvalidArgumentError (bad dtype or attention options).
+        InvalidArgumentError (bad dtype, threads or attention options).
     """
+    if threads is not None:
+        if not is_int(threads) or threads < 1:
+            raise InvalidArgumentError(f"threads must be a positive integer, got {threads!r}")
+        torch.set_num_threads(threads)
     if is_export_dir(name):
         given = [k for k, v in (("dtype", dtype), ("max_seq_len", max_seq_len), ("attention", attention),
                                 ("lora", lora)) if v is not None] + [k for k, v in (("weights", weights),
@@ -315,7 +334,7 @@ def load(name: str = "smollm2-135m", dtype: str | None = None, max_seq_len: int 
         if given:
             raise InvalidArgumentError(f"{name} is an ONNX export: its graphs fix {', '.join(given)} (set them with "
                                        "`laserlm export onnx`)")
-        return load_onnx(name)
+        return load_onnx(name, threads=threads)
     loaded = load_model(name, dtype=dtype, weights=weights, prefill_dtype=prefill_dtype, lora=lora)
     return LaserLM(loaded, max_seq_len=max_seq_len, attention=attention, **attention_options)
 
@@ -324,13 +343,15 @@ def load_onnx(path, threads: int | None = None) -> LaserLM:
     """A :class:`LaserLM` on the onnxruntime engine of an export directory of ``laserlm export onnx``
     (:class:`~laserlm.runtime.ort_engine.OnnxEngine`): modes ``full`` and ``adaptive`` (its exported laser file),
     generation, streaming and scoring as on laserlm's engine. ``threads``: onnxruntime intra-op threads (default:
-    onnxruntime's).
+    ``torch.get_num_threads()``, the setting laserlm's engine runs on).
 
     Raises:
         ModelNotFoundError / CorruptModelError: no valid export at ``path``, or it has no readable tokenizer.
     """
     from .runtime.ort_engine import OnnxEngine, OnnxModel, load_tokenizer  # noqa: PLC0415
 
+    if threads is None:
+        threads = torch.get_num_threads()
     model = OnnxModel(path, threads=threads).warm()  # open every session now, not inside the first token's time
     return LaserLM.on_engine(OnnxEngine(model), load_tokenizer(model),
                              model.manifest["model"].get("eos_token_ids", []))

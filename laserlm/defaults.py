@@ -192,7 +192,7 @@ def _digest(obj) -> str:
 
 
 def _file_digest(path: Path) -> str:
-    from .models.weights_hash import file_sha256  # noqa: PLC0415 (torch is imported only when needed)
+    from .models.files import file_sha256  # noqa: PLC0415 (torch is imported only when needed)
 
     return file_sha256(path)[:16]
 
@@ -356,7 +356,7 @@ def ensure_speculative_settings(engine, progress: bool = True) -> dict:
                 if progress:
                     print(f"laserlm: tuning the speculative draft settings for {engine.loaded.name} once (about a "
                           f"minute) into {path.parent}; later runs reuse them", file=sys.stderr, flush=True)
-                report = calibrate(engine, progress=progress)
+                report = calibrate(engine, progress=progress, announce=False)  # the line above says what runs
                 tmp = path.with_name(path.name + ".tmp")
                 tmp.write_text(json.dumps(report, indent=2, default=str))
                 os.replace(tmp, path)

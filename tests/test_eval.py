@@ -316,6 +316,13 @@ def test_glue_task_scores_obvious_items_and_mrpc_f1(smol, tmp_path):
         "a terrible , boring and awful mess . \t0\n")
     res = Evaluator(smol, ["test_copy"], EvalSettings(data_dir=str(tmp_path), progress=False)).run("sst2")
     assert res["full"]["acc"] == 1.0 and res["full"]["n"] == 2 and res["test_copy"]["choice_agreement"] == 1.0
+    assert "f1" not in res["full"]
+    (tmp_path / "glue" / "MRPC").mkdir()
+    (tmp_path / "glue" / "MRPC" / "dev.tsv").write_text(  # gold "yes" twice: F1 is 1.0 iff both predicted "yes"
+        "Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\tThe cat sat.\tThe cat sat.\n"
+        "1\t3\t4\tIt rained today.\tIt rained today.\n")
+    res = Evaluator(smol, [], EvalSettings(data_dir=str(tmp_path), progress=False)).run("mrpc")["full"]
+    assert res["f1"] == pytest.approx({0.0: 0.0, 0.5: 2 / 3, 1.0: 1.0}[res["acc"]])
     from laserlm.evaluation.tasks import f1_score
 
     preds, gold = [1, 1, 0, 0, 1], [1, 0, 0, 1, 1]  # tp 2, fp 1, fn 1 -> 2*2 / (4 + 1 + 1)

@@ -16,6 +16,7 @@ counted on their own). Layers, bottom first (a module may import its own layer a
 | 6 | tool helpers | ``laserlm.cli_common`` (CLI helpers shared by the tools' subcommands and the CLI), ``laserlm.reports`` (report helpers of ``eval`` and ``bench``) |
 | 7 | tools | ``laserlm.training.*``, ``laserlm.evaluation.*``, ``laserlm.bench.*``, ``laserlm.profiling.*``, ``laserlm.serve.*``, ``laserlm.export.*`` |
 | 8 | cli | ``laserlm.cli`` |
+| 9 | entry | ``laserlm.__main__`` (``python -m laserlm``) |
 
 Within a layer, packages are siblings and may not import each other (depth, speculative and attention; training,
 evaluation and bench), except the edges in :data:`ALLOWED_SIBLING_EDGES`: ``speculative -> depth`` (the
@@ -50,6 +51,7 @@ LAYERS = [  # (rank, layer name, package prefixes or exact module names)
     (7, "tools", ("laserlm.training", "laserlm.evaluation", "laserlm.bench", "laserlm.profiling",
                   "laserlm.serve", "laserlm.export")),
     (8, "cli", ("laserlm.cli",)),
+    (9, "entry", ("laserlm.__main__",)),
 ]
 # sibling packages of one layer that may import the other (from, to); keep minimal and acyclic
 ALLOWED_SIBLING_EDGES = {("laserlm.speculative", "laserlm.depth"), ("laserlm", "laserlm.api"),

@@ -112,7 +112,7 @@ def test_eval_equals_the_pytorch_engine_full_and_adaptive(tiny, capsys):
     ref, _ = eval_json(capsys, tiny, "torch", configs)
     got, table = eval_json(capsys, tiny, "onnxruntime", configs)
     assert got["backend"] == "onnxruntime" and ref["backend"] == "torch" and got["weights"] == "fp32"
-    assert "backend onnxruntime" in table and "### wikitext" in table
+    assert "(onnxruntime, fp32 graphs" in table and "onnxruntime, onnxruntime" not in table and "### wikitext" in table
     assert got["configs"] == ref["configs"] == ["full", *configs]
     doc = tiny["data"] / "doc.txt"  # longtext: one document, capped at the context + 1 tokens
     doc.write_text(TEXT * 4)

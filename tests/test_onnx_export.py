@@ -208,6 +208,19 @@ def test_adaptive_on_an_export_without_a_laser_file_equals_the_engine(tiny_llama
     assert min(exits) < eng.num_layers
 
 
+def test_bare_adaptive_on_an_export_without_a_laser_file_is_refused(tiny_llama_export):
+    """Bare ``adaptive`` means certified exits (the export's laser file), as on laserlm's engine: an export without
+    one refuses it instead of running untrained exits; a named exit rule runs."""
+    from laserlm.api import LaserLM
+
+    _, out = tiny_llama_export
+    lm = LaserLM.on_engine(onnx_engine(out), None, [])
+    for spec in ("adaptive", "adaptive:patience=0", "adaptive@dense"):
+        with pytest.raises(InvalidArgumentError, match="exported without one"):
+            lm.mode(spec)
+    assert lm.mode("adaptive:threshold=0.99,patience=0").name == "adaptive"
+
+
 def test_an_export_is_refused_where_laserlm_s_engine_is_needed(tiny_llama_export, tmp_path, capsys):
     from helpers import run_cli
 
@@ -287,6 +300,16 @@ def test_missing_or_corrupt_export_directory(tiny_llama_export, tmp_path):
     m = OnnxModel(bad)
     with pytest.raises(CorruptModelError, match="onnxruntime cannot load it"):
         m.session("group_2")
+    for edit, match in ((lambda d: d.update(model={}), "no integer 'num_layers'"),
+                        (lambda d: d.update(groups="x"), "'groups' entry is a str, not a list"),
+                        (lambda d: d["shapes"].update(max_len="big"), "integer 'max_len'"),
+                        (lambda d: d.update(exits=[{"layer": "2"}]), "integer 'layer'"),
+                        (lambda d: d.pop("min_depth"), "'min_depth' is not an integer")):
+        broken = json.loads(json.dumps(man))
+        edit(broken)
+        (bad / "manifest.json").write_text(json.dumps(broken))
+        with pytest.raises(CorruptModelError, match=match):
+            OnnxModel(bad)
 
 
 def test_cli_errors_are_one_line(tiny_llama_export, tmp_path, capsys):
@@ -399,8 +422,8 @@ def test_smollm2_load_of_an_export_runs_the_one_loop(smol, smol_export):
     import laserlm
 
     out, path = smol_export
-    lm = laserlm.load(str(out))
-    assert isinstance(lm.engine, OnnxEngine) and "onnxruntime" in lm.describe()
+    lm = laserlm.load(str(out), threads=1)
+    assert isinstance(lm.engine, OnnxEngine) and "onnxruntime" in lm.describe() and lm.engine.onnx.threads == 1
     for mode in ("full", f"adaptive:laser={path},patience=0"):
         kw = dict(mode=mode, max_new_tokens=10, ignore_eos=True, repetition_penalty=1.3)
         ref = smol.generate("The capital of France is", **kw)

@@ -103,6 +103,10 @@ def _given(value, default):
     return default if value is None else value
 
 
+POLICY_OPTIONS = (("saturation_threshold", "saturation"), ("ats_threshold", "ats"), ("gate_threshold", "gate"),
+                  ("predictor_threshold", "predictor"))  # an option and the policy that reads it
+
+
 def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int) -> tuple:
     """``(groups, policy, bridge name, patience, ats_layer)`` of mode ``adaptive`` from its parsed options ``o``
     and a laser artifact ``art`` (or ``None``): a given option wins, else the file's value, else the default.
@@ -114,10 +118,18 @@ def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int)
     """
     file_cfg = art.config if art else {}
     file_thr = art.thresholds if art else {}
+    names = _given(o.policy, file_cfg.get("policy", "confidence"))
+    listed = {p.strip() for p in str(names).split("+")}
+    unused = [f"{opt}={getattr(o, opt)}" for opt, name in POLICY_OPTIONS if getattr(o, opt) is not None
+              and name not in listed]
+    if unused:
+        needed = "+".join(name for opt, name in POLICY_OPTIONS if getattr(o, opt) is not None and name not in listed)
+        raise InvalidArgumentError(f"adaptive option(s) {', '.join(unused)} set a policy that policy={names} does not "
+                                   f"run; name it, e.g. policy={needed} (or policy={names}+{needed})")
     groups = make_groups(_given(o.groups, file_cfg.get("groups")), num_layers,
                          _given(o.min_depth, file_cfg.get("min_depth")))
     policy = make_policy(
-        _given(o.policy, file_cfg.get("policy", "confidence")),
+        names,
         threshold=_given(o.threshold, file_thr.get("threshold")),
         measure=_given(o.measure, file_cfg.get("measure", "max")),
         saturation_threshold=o.saturation_threshold,

@@ -34,6 +34,7 @@ from pathlib import Path
 
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
+from ..models.files import write_safetensors
 from ..models.weights_hash import weights_sha256
 from .heads import ExitGate, ExitHead
 from .predictor import ComplexityPredictor
@@ -160,8 +161,6 @@ def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) 
     Raises:
         InvalidArgumentError: the parent directory does not exist.
     """
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     engine = _engine_of(lm)
     path = Path(path)
     if not path.parent.is_dir():
@@ -200,9 +199,7 @@ def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) 
             file = str(src)
         meta["lora"] = {"sha256": digest, "file": file}
     meta["tensors_sha256"] = tensors_digest(tensors)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"laserlm": json.dumps(meta)})
-    tmp.replace(path)
+    write_safetensors(tensors, path, {"laserlm": json.dumps(meta)})
     if json_copy:
         path.with_suffix(".json").write_text(json.dumps(meta, indent=2))
     return path

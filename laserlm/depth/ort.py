@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import CorruptModelError, InvalidArgumentError
-from ..models.weights_hash import file_sha256
+from ..models.files import file_sha256
 from ..runtime.options import from_spec
 from . import AdaptiveOptions, adaptive_settings, make_groups
 from .adaptive import AdaptiveDepth

@@ -121,7 +121,9 @@ def cmd_eval(args) -> int:
         results[t] = ev.run(t)
         seconds[t] = round(time.perf_counter() - t0, 1)
         print(markdown({t: results[t]}), file=table_out, flush=True)
-    print(f"model {args.model} (backend {backend}, {lm.describe()}), {threads or 'default'} threads, {machine()}, "
+    engine_line = lm.describe() if backend == "onnxruntime" else f"backend {backend}, {lm.describe()}"  # the
+    # export's line starts with "onnxruntime"
+    print(f"model {args.model} ({engine_line}), {threads or 'default'} threads, {machine()}, "
           f"{now()}", file=table_out)
     if args.json:
         doc = {"command": "eval", "model": args.model, "backend": backend, "weights": lm.weights,

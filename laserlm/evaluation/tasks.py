@@ -389,8 +389,6 @@ class Evaluator:
                              "perplexity": math.exp(-sum(lls) / n),
                              "prediction_agreement": sum(bool(torch.equal(a, b)) for a, b in zip(preds, ref_pred)) / n,
                              "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1)}
-            if task == "mrpc":
-                results[name]["f1"] = f1_score(preds, [it.gold for it, _, _ in encoded], positive=1)
         return results
 
     # -- agreement -------------------------------------------------------------------------------

@@ -61,7 +61,25 @@ def _no_format(args) -> int:
 
 
 def cmd_export_onnx(args) -> int:
+    """``laserlm export onnx``; a refused or failed export removes the output directory it created."""
+    out = Path(args.out)
+    existed = out.exists()
+    try:
+        return _export_onnx(args)
+    except BaseException:
+        if not existed and out.is_dir():
+            import shutil  # noqa: PLC0415
+
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _export_onnx(args) -> int:
     from ..cli_common import apply_threads  # noqa: PLC0415
+    from ..runtime.ort_engine import is_export_dir  # noqa: PLC0415
+
+    if is_export_dir(args.model):
+        raise InvalidArgumentError(f"{args.model} is already an ONNX export; export the model it was made from")
     from .onnx import export_onnx  # noqa: PLC0415
     from .tensorrt import batch_bounds, write_profile  # noqa: PLC0415
 
@@ -90,16 +108,17 @@ def cmd_export_onnx(args) -> int:
     if args.whole_model:
         from .onnx import export_whole_model  # noqa: PLC0415
 
-        lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None, lora=lora)
-        info = export_whole_model(lm.engine, out / "model.onnx", max_len=min(args.max_len, lm.engine.max_seq_len))
+        lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=args.max_len, lora=lora)
+        info = export_whole_model(lm.engine, out / "model.onnx", max_len=args.max_len)
         lm.tokenizer.save_pretrained(str(out / "tokenizer"))
         print(f"exported the whole model ({info['bytes'] / 2**20:.0f} MiB, opset 13; input_ids, attention_mask -> "
               f"logits, up to {info['max_len']} tokens) to {info['path']} in {info['seconds']:.1f} s")
         return 0
-    lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=None, lora=lora)
+    lm = load(args.model, dtype="float32", weights="fp32", max_seq_len=args.max_len, lora=lora)  # refuses a
+    # --max-len above the model's context
     packed = None if args.weights == "fp32" else load(args.model, dtype="float32", weights=args.weights,
-                                                      lora=lora).engine
-    max_len = min(args.max_len, lm.engine.max_seq_len)
+                                                      max_seq_len=args.max_len, lora=lora).engine
+    max_len = args.max_len
     man = export_onnx(lm.engine, out, groups=args.groups, laser=args.laser, max_batch=max_batch, max_len=max_len,
                       progress=not args.no_progress, tokenizer=lm.tokenizer, packed=packed,
                       accuracy_level=args.accuracy_level)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidArgumentError
-from ..models.weights_hash import file_sha256
+from ..models.files import file_sha256
 from . import graphs as G
 from ..runtime.options import is_int
 from ..runtime.ort_engine import MANIFEST, MANIFEST_VERSION

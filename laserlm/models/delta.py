@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CorruptModelError, InvalidArgumentError
+from .files import write_safetensors
 
 FORMAT = "laserlm-delta"
 VERSION = 1
@@ -53,16 +54,11 @@ def save_delta(path, factors: dict, adapters: dict, meta: dict) -> Path:
         meta: ``identity``, ``weights_sha256`` (the base), ``rank``, ``alpha``, ``targets``, ``exit_points``,
             ``report``.
     """
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     tensors = {f"lora.{k}": v.detach().to(torch.bfloat16).contiguous() for k, v in factors.items()}
     tensors.update({f"heads.{k}": v.detach().to(torch.bfloat16).contiguous() for k, v in adapters.items()})
     doc = {"format": FORMAT, "version": VERSION, **meta, "tensors_sha256": tensors_sha256(tensors)}
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={META_KEY: json.dumps(doc)})
-    tmp.replace(path)
-    return path
+    return write_safetensors(tensors, path, {META_KEY: json.dumps(doc)})
 
 
 def read_delta(path) -> tuple[dict, dict, dict]:

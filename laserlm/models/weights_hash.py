@@ -23,16 +23,6 @@ ATTRIBUTE = "laserlm_weights_sha256"
 DEFERRED = "laserlm_weights_sha256_fn"  # a callable giving the digest, for models loaded without float weights
 
 
-def file_sha256(path) -> str:
-    """The SHA-256 (hex) of a file's bytes, read in 1 MiB blocks: the identity of an artifact file (exported
-    graphs, laser files, data files), as opposed to :func:`weights_sha256`, the identity of a model's weights.
-
-    Raises:
-        OSError: the file cannot be read.
-    """
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
 
 def compute_weights_sha256(model: torch.nn.Module) -> str:
     """The digest of ``model``'s parameters as they are now (no memo); see the module docstring.

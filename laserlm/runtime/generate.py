@@ -42,7 +42,10 @@ class TokenEvent:
 
 @dataclass
 class GenerationResult:
-    """Text and statistics of one request. Times in seconds, rates in tokens per second."""
+    """Text and statistics of one request. Times in seconds, rates in tokens per second.
+
+    ``token_ids`` are the emitted tokens (an EOS that ended generation is not emitted); ``layers_per_token`` has one
+    entry per *computed* token, that EOS included, since its layers ran (``stats()["computed_tokens"]``)."""
 
     text: str
     token_ids: list[int]
@@ -82,6 +85,7 @@ class GenerationResult:
         return {
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
+            "computed_tokens": len(self.layers_per_token),  # + the EOS that ended generation, if one did
             "finish_reason": self.finish_reason,
             "ttft_s": num(self.ttft_s, 6),
             "tpot_s": num(tpot, 6),

@@ -47,10 +47,18 @@ def read_manifest(path) -> dict:
             graph file that is missing.
     """
     d = Path(path)
+    if d.is_file():
+        raise ModelNotFoundError(f"{d} is a file, not an ONNX export directory (the directory `laserlm export onnx "
+                                 "--out DIR` writes)")
     if not d.is_dir():
-        raise ModelNotFoundError(f"ONNX export directory not found: {d} (make one with `laserlm export onnx`)")
+        raise ModelNotFoundError(f"ONNX export directory not found: {d} (the onnxruntime backend runs the directory "
+                                 "that `laserlm export onnx --out DIR` writes, given as --model)")
     f = d / MANIFEST
     if not f.is_file():
+        if (d / "model.onnx").is_file():
+            raise CorruptModelError(f"{d} holds a whole-model graph (`laserlm export onnx --whole-model`: input_ids, "
+                                    "attention_mask -> logits), which runs in onnxruntime directly; laserlm's "
+                                    "onnxruntime backend runs the per-group export (without --whole-model)")
         raise CorruptModelError(f"{d} has no {MANIFEST}: not a `laserlm export onnx` directory")
     try:
         m = json.loads(f.read_text())
@@ -59,13 +67,43 @@ def read_manifest(path) -> dict:
     if not isinstance(m, dict) or m.get("format_version") != MANIFEST_VERSION:
         got = m.get("format_version") if isinstance(m, dict) else None
         raise CorruptModelError(f"{f}: manifest format version {got!r}; this laserlm reads version {MANIFEST_VERSION}")
-    for key in ("model", "shapes", "groups", "exits", "graphs", "min_depth"):
-        if key not in m:
-            raise CorruptModelError(f"{f}: the manifest has no '{key}' entry")
+    problem = _manifest_problem(m)
+    if problem:
+        raise CorruptModelError(f"{f}: {problem}; export again")
     for name, g in m["graphs"].items():
         if not (d / g["file"]).is_file():
             raise CorruptModelError(f"{d}: graph '{name}' ({g['file']}) is missing; export again")
     return m
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _manifest_problem(m: dict) -> str | None:
+    """What is wrong with the entries the engine reads (``None``: nothing): their presence and types."""
+    for key, typ in (("model", dict), ("shapes", dict), ("groups", list), ("exits", list), ("graphs", dict)):
+        if key not in m:
+            return f"the manifest has no '{key}' entry"
+        if not isinstance(m[key], typ):
+            return f"the manifest's '{key}' entry is a {type(m[key]).__name__}, not a {typ.__name__}"
+    if not _is_int(m.get("min_depth")):
+        return "the manifest's 'min_depth' is not an integer"
+    for key in ("num_layers", "hidden_size", "vocab_size", "num_kv_heads", "head_dim"):
+        if not _is_int(m["model"].get(key)):
+            return f"the manifest's model entry has no integer '{key}'"
+    shapes = m["shapes"]
+    if not _is_int(shapes.get("max_len")) or not (isinstance(shapes.get("batch"), list) and len(shapes["batch"]) == 2
+                                                 and all(map(_is_int, shapes["batch"]))):
+        return "the manifest's shapes need an integer 'max_len' and a 'batch' range [min, max]"
+    if not all(isinstance(g, dict) and _is_int(g.get("start")) and _is_int(g.get("stop")) for g in m["groups"]):
+        return "every manifest group needs integer 'start' and 'stop'"
+    if not all(isinstance(e, dict) and _is_int(e.get("layer")) for e in m["exits"]):
+        return "every manifest exit needs an integer 'layer'"
+    if not all(isinstance(g, dict) and isinstance(g.get("file"), str) and _is_int(g.get("bytes", 0))
+               for g in m["graphs"].values()):
+        return "every manifest graph needs a 'file' name"
+    return None
 
 
 class OnnxModel:

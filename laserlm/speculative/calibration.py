@@ -186,10 +186,11 @@ def simulate(agree, conf, n_draft: int, n_layers: int, k: int, threshold: float,
     return out
 
 
-def _progress_bar(n_prompts: int, progress: bool):
-    """Announce the search on stderr (one line) and return a tqdm bar over its steps: one greedy trace per
-    prompt, the cost measurement, the simulated search. The bar only draws on a terminal."""
-    if progress:
+def _progress_bar(n_prompts: int, progress: bool, announce: bool = True):
+    """Announce the search on stderr (one line, unless ``announce`` is False: the caller said what runs) and return a
+    tqdm bar over its steps: one greedy trace per prompt, the cost measurement, the simulated search. The bar only
+    draws on a terminal."""
+    if progress and announce:
         print("laserlm: speculative auto: searching draft depth/K/threshold on validation text "
               "(about a minute; runs on every load, fix draft_layers/k/threshold to skip it) ...",
               file=sys.stderr, flush=True)
@@ -198,7 +199,8 @@ def _progress_bar(n_prompts: int, progress: bool):
 
 
 def calibrate(engine, exit_head=None, reuse: bool = True, draft_layers: int | None = None, k: int | None = None,
-              threshold: float | None = None, gen_tokens: int = 40, n_text: int = 3, progress: bool = True) -> dict:
+              threshold: float | None = None, gen_tokens: int = 40, n_text: int = 3, progress: bool = True,
+              announce: bool = True) -> dict:
     """Search draft depth / K / threshold (those not fixed) by simulated speed-up; see module docstring.
 
     ``progress``: print a one-line notice to stderr when the search starts and show a tqdm bar (on a terminal).
@@ -217,7 +219,7 @@ def calibrate(engine, exit_head=None, reuse: bool = True, draft_layers: int | No
     ks = [k] if k else list(KS)
     thresholds = [threshold] if threshold is not None else list(THRESHOLDS)
     prompts = calibration_prompts(tok, n_text=n_text)
-    bar = _progress_bar(len(prompts), progress)
+    bar = _progress_bar(len(prompts), progress, announce)
     traces = greedy_traces(engine, prompts, gen_tokens, depths, exit_head, on_prompt=bar.update)
     costs = measure_costs(engine, max(ks) + 1, exit_head)
     bar.update()

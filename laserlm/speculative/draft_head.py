@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
+from ..models.files import write_safetensors
 from ..runtime.options import is_int
 
 FORMAT = "laserlm-draft-head"
@@ -201,8 +202,6 @@ def save_draft_head(path, engine, head: DraftHead, vocab_ids: torch.Tensor, repo
     Raises:
         InvalidArgumentError: the parent directory does not exist.
     """
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     from ..depth.laser_file import model_identity, tensors_digest  # noqa: PLC0415
     from ..models.weights_hash import weights_sha256  # noqa: PLC0415
 
@@ -214,10 +213,7 @@ def save_draft_head(path, engine, head: DraftHead, vocab_ids: torch.Tensor, repo
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "config": asdict(head.cfg),
             "identity": model_identity(engine), "weights_sha256": weights_sha256(engine.model),
             "tensors_sha256": tensors_digest(tensors), "report": report or {}}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata={"laserlm_draft_head": json.dumps(meta)})
-    tmp.replace(path)
-    return path
+    return write_safetensors(tensors, path, {"laserlm_draft_head": json.dumps(meta)})
 
 
 def load_draft_head(path, engine) -> tuple[DraftModel, dict]:
