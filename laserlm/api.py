@@ -18,7 +18,7 @@ import torch
 
 from .errors import InvalidArgumentError
 from .models.loader import LoadedModel, load_model
-from .mode_table import make_mode
+from .mode_table import make_mode, split_config
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationResult, IncrementalDecoder, encode_prompt, eos_token_ids
 from .runtime.loop import generate_tokens, summarize
@@ -120,7 +120,7 @@ class LaserLM:
         if self.loaded is None:  # an export: a bare adaptive is its own laser file
             manifest = self.engine.onnx.manifest
             if (isinstance(config, str) and not manifest.get("laser")
-                    and needs_default(config.split("@", 1)[0]) == "adaptive"):
+                    and needs_default(split_config(config)[0]) == "adaptive"):
                 raise InvalidArgumentError(
                     f"bare '{config}' runs the export's certified laser file, and {self.engine.onnx.path} was exported "
                     "without one: export with `laserlm export onnx --laser FILE`, or name an exit rule to run "

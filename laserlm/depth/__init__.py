@@ -120,12 +120,12 @@ def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int)
     file_thr = art.thresholds if art else {}
     names = _given(o.policy, file_cfg.get("policy", "confidence"))
     listed = {p.strip() for p in str(names).split("+")}
-    unused = [f"{opt}={getattr(o, opt)}" for opt, name in POLICY_OPTIONS if getattr(o, opt) is not None
-              and name not in listed]
+    unused = [(opt, name) for opt, name in POLICY_OPTIONS if getattr(o, opt) is not None and name not in listed]
     if unused:
-        needed = "+".join(name for opt, name in POLICY_OPTIONS if getattr(o, opt) is not None and name not in listed)
-        raise InvalidArgumentError(f"adaptive option(s) {', '.join(unused)} set a policy that policy={names} does not "
-                                   f"run; name it, e.g. policy={needed} (or policy={names}+{needed})")
+        given = ", ".join(f"{opt}={getattr(o, opt)}" for opt, _ in unused)
+        needed = "+".join(name for _, name in unused)
+        raise InvalidArgumentError(f"adaptive option(s) {given} set a policy that policy={names} does not run; name "
+                                   f"it, e.g. policy={needed} (or policy={names}+{needed})")
     groups = make_groups(_given(o.groups, file_cfg.get("groups")), num_layers,
                          _given(o.min_depth, file_cfg.get("min_depth")))
     policy = make_policy(

@@ -22,7 +22,6 @@ from .laser_file import LaserArtifact, read_metadata
 from .policies import find_predictor
 
 
-
 def exported_laser(engine) -> LaserArtifact | None:
     """The gates, thresholds and config of the export's copy of its laser file (``None``: exported without one),
     its identity checked against the manifest.

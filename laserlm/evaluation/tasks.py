@@ -39,6 +39,7 @@ from .data import ChoiceItem, load_task
 from .scoring import Scorer, encode_pair
 
 TASKS = ("wikitext", "lambada", "hellaswag", "arc_easy", "piqa", "sst2", "rte", "mrpc", "qnli", "agreement", "longtext")
+CHOICE_TASKS = ("hellaswag", "arc_easy", "piqa", "sst2", "rte", "mrpc", "qnli")  # scored by _run_choice_task
 REFERENCE = "full"
 
 
@@ -215,6 +216,8 @@ class Evaluator:
         """
         if task not in TASKS:
             raise InvalidArgumentError(f"unknown task '{task}'; available tasks: {', '.join(TASKS)}")
+        if task in CHOICE_TASKS:
+            return self._run_choice_task(task)
         return getattr(self, f"_run_{task}")()
 
     # -- perplexity ------------------------------------------------------------------------------
@@ -343,27 +346,6 @@ class Evaluator:
                     yield it, scores[:len(seqs)]
                     scores = scores[len(seqs):]
                 group = []
-
-    def _run_hellaswag(self):
-        return self._run_choice_task("hellaswag")
-
-    def _run_arc_easy(self):
-        return self._run_choice_task("arc_easy")
-
-    def _run_sst2(self):
-        return self._run_choice_task("sst2")
-
-    def _run_rte(self):
-        return self._run_choice_task("rte")
-
-    def _run_mrpc(self):
-        return self._run_choice_task("mrpc")
-
-    def _run_qnli(self):
-        return self._run_choice_task("qnli")
-
-    def _run_piqa(self):
-        return self._run_choice_task("piqa")
 
     # -- lambada ---------------------------------------------------------------------------------
     def _run_lambada(self) -> dict:

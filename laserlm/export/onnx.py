@@ -59,7 +59,6 @@ def _layer_io(start: int, stop: int, prefix: str, n_kv: int, hd: int, axis: str)
     return out
 
 
-
 def _export_one(module, args: tuple, path: Path, inputs: list, outputs: list) -> None:
     axes = {}
     for spec in inputs + outputs:

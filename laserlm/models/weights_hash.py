@@ -23,7 +23,6 @@ ATTRIBUTE = "laserlm_weights_sha256"
 DEFERRED = "laserlm_weights_sha256_fn"  # a callable giving the digest, for models loaded without float weights
 
 
-
 def compute_weights_sha256(model: torch.nn.Module) -> str:
     """The digest of ``model``'s parameters as they are now (no memo); see the module docstring.
 

@@ -31,6 +31,7 @@ import torch
 
 from ..errors import ContextLengthError, CorruptModelError, InvalidArgumentError, ModelNotFoundError
 from .engine import EngineCalls
+from .options import is_int
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -76,10 +77,6 @@ def read_manifest(path) -> dict:
     return m
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _manifest_problem(m: dict) -> str | None:
     """What is wrong with the entries the engine reads (``None``: nothing): their presence and types."""
     for key, typ in (("model", dict), ("shapes", dict), ("groups", list), ("exits", list), ("graphs", dict)):
@@ -87,20 +84,20 @@ def _manifest_problem(m: dict) -> str | None:
             return f"the manifest has no '{key}' entry"
         if not isinstance(m[key], typ):
             return f"the manifest's '{key}' entry is a {type(m[key]).__name__}, not a {typ.__name__}"
-    if not _is_int(m.get("min_depth")):
+    if not is_int(m.get("min_depth")):
         return "the manifest's 'min_depth' is not an integer"
     for key in ("num_layers", "hidden_size", "vocab_size", "num_kv_heads", "head_dim"):
-        if not _is_int(m["model"].get(key)):
+        if not is_int(m["model"].get(key)):
             return f"the manifest's model entry has no integer '{key}'"
     shapes = m["shapes"]
-    if not _is_int(shapes.get("max_len")) or not (isinstance(shapes.get("batch"), list) and len(shapes["batch"]) == 2
-                                                 and all(map(_is_int, shapes["batch"]))):
+    if not is_int(shapes.get("max_len")) or not (isinstance(shapes.get("batch"), list) and len(shapes["batch"]) == 2
+                                                 and all(map(is_int, shapes["batch"]))):
         return "the manifest's shapes need an integer 'max_len' and a 'batch' range [min, max]"
-    if not all(isinstance(g, dict) and _is_int(g.get("start")) and _is_int(g.get("stop")) for g in m["groups"]):
+    if not all(isinstance(g, dict) and is_int(g.get("start")) and is_int(g.get("stop")) for g in m["groups"]):
         return "every manifest group needs integer 'start' and 'stop'"
-    if not all(isinstance(e, dict) and _is_int(e.get("layer")) for e in m["exits"]):
+    if not all(isinstance(e, dict) and is_int(e.get("layer")) for e in m["exits"]):
         return "every manifest exit needs an integer 'layer'"
-    if not all(isinstance(g, dict) and isinstance(g.get("file"), str) and _is_int(g.get("bytes", 0))
+    if not all(isinstance(g, dict) and isinstance(g.get("file"), str) and is_int(g.get("bytes", 0))
                for g in m["graphs"].values()):
         return "every manifest graph needs a 'file' name"
     return None

@@ -100,8 +100,8 @@ def check_prompt_ids(prompt_ids, vocab_size: int, max_seq_len: int) -> torch.Ten
                                    f"{int(ids.min())} .. {int(ids.max())}")
     if ids.numel() >= max_seq_len:
         raise ContextLengthError(f"prompt has {ids.numel()} tokens but the context size is {max_seq_len} (and at "
-                                 "least one position is needed to generate); shorten the prompt or raise the context size (--ctx-size; an "
-                                 "ONNX export's is set by `laserlm export onnx --max-len`)")
+                                 "least one position is needed to generate); shorten the prompt or raise the context "
+                                 "size (--ctx-size; an ONNX export's is set by `laserlm export onnx --max-len`)")
     return ids
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
+from ..models.delta import tensors_sha256
 from ..speculative.draft_head import CE_WEIGHT, DraftHead, DraftHeadConfig, DraftModel, check_vocab
 from ..runtime.options import is_int
 
@@ -47,12 +48,6 @@ def model_key(engine) -> dict:
     from ..models.weights_hash import weights_sha256  # noqa: PLC0415
 
     return {"weights_sha256": weights_sha256(engine.model), "weights": engine.weights, "dtype": str(engine.dtype)}
-
-
-def _digest(t: torch.Tensor) -> str:
-    import hashlib  # noqa: PLC0415
-
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
 def _cached(path: Path | None, key: dict, make):
@@ -117,7 +112,7 @@ def train_draft_head(engine, records: torch.Tensor, vocab: int = 4096, epochs: i
         raise InvalidArgumentError(f"lr must be in (0, 1), got {lr!r}")
     t0 = time.perf_counter()
     feats, top = _cached(None if work_dir is None else Path(work_dir) / "features.pt",
-                         {"records": _digest(records)} | model_key(engine),
+                         {"records": tensors_sha256({"records": records})} | model_key(engine),
                          lambda: collect_features(engine, records, progress=progress))
     vocab = min(vocab, engine.config.vocab_size)
     vocab_ids = pick_vocab(top, vocab, engine.config.vocab_size)
