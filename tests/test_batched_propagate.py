@@ -12,6 +12,7 @@ import torch
 from laserlm.depth import AdaptiveDepth, ExitGate, GatePolicy, make_groups, make_policy
 from laserlm.depth.batched import score_batch, supports_batched_score
 from laserlm.depth.heads import gate_scalars_batch
+from laserlm.depth.walk import update_patience
 from laserlm.depth.policies import AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, Saturation
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.engine import Engine
@@ -80,13 +81,38 @@ def test_score_batch_state_gates_tiny_gemma3_sliding_window():
     assert exits > 0
 
 
+def test_score_batch_keeps_each_rows_patience(smol):
+    """With the patience rule on, every row keeps its own streak and lock: the exits equal the token-by-token
+    adaptive mode's, the lock engages (and fails) on this text, and the decisions differ from patience 0's (so a
+    batched scorer that ignored the rule would fail here)."""
+    eng = smol.engine
+    ids = smol.tokenizer(TEXT)["input_ids"]
+    seqs = [ids[:40], ids[7:30], ids[12:49]]
+    spec = "adaptive:policy=confidence,threshold=0.45,patience={},bridge=propagate,groups=3,min_depth=6"
+    mode, plain = make_mode(spec.format(2), eng), make_mode(spec.format(0), eng)
+    assert supports_batched_score(mode)
+    got, base = score_batch(mode, eng, seqs), score_batch(plain, eng, seqs)
+    locked = 0
+    for seq, r in zip(seqs, got):
+        out = mode.score(eng, torch.tensor(seq))
+        assert r.layers.tolist() == out.layers.tolist()
+        assert torch.equal(r.argmax, out.logits.argmax(-1))
+        rs = mode.new_state(eng)  # replay the rule on the sequential exits: count the positions a lock applied to
+        for info in out.infos:
+            locked += rs.patience.locked is not None
+            g = info["exit_group"] if info["exit_layer"] < eng.num_layers else None
+            failed = rs.patience.locked is not None and g != rs.patience.locked
+            rs.patience = update_patience(rs.patience, 2, g, failed)
+    assert locked > 0
+    assert any(a.layers.tolist() != b.layers.tolist() for a, b in zip(got, base))
+
+
 def test_score_batch_rejects_unsupported_modes(smol):
     eng = smol.engine
-    for spec in ("adaptive:bridge=deferred,patience=0", "adaptive:bridge=propagate,patience=3"):
-        mode = make_mode(spec, eng)
-        assert not supports_batched_score(mode)
-        with pytest.raises(InvalidArgumentError, match="propagate and patience=0"):
-            score_batch(mode, eng, [[1, 2, 3]])
+    mode = make_mode("adaptive:bridge=deferred,patience=0", eng)
+    assert not supports_batched_score(mode)
+    with pytest.raises(InvalidArgumentError, match="bridge=propagate"):
+        score_batch(mode, eng, [[1, 2, 3]])
 
 
 def _batch_point(n=12, d=16, v=20, seed=0, with_ats=True):
@@ -204,8 +230,10 @@ def test_state_gate_never_evaluates_the_exit_head(smol):
         ExitGate(8, features="logits")
 
 
-def test_propagate_calibration_losses_against_the_unmodified_model(smol, smol_ref):
-    """PropagateDecoding's losses = (decoded token != the unmodified transformers model's greedy token)."""
+@pytest.mark.parametrize("patience", [0, 2])
+def test_propagate_calibration_losses_against_the_unmodified_model(smol, smol_ref, patience):
+    """PropagateDecoding's losses = (decoded token != the unmodified transformers model's greedy token), decoding
+    with the patience rule the certificate is about."""
     from laserlm.training.collect import collect_exit_states
     from laserlm.training.decoding import PropagateDecoding, chunk_sequences, grid_thresholds
 
@@ -217,11 +245,12 @@ def test_propagate_calibration_losses_against_the_unmodified_model(smol, smol_re
     assert [len(s) for s in seqs] == [25, 25]
     gates = _random_state_gates(eng.config.hidden_size, groups.exit_points, bias=0.0)
     dec = PropagateDecoding(eng, groups, {}, gates, None, seqs, states, torch.zeros(len(states)), "agreement",
-                            batch=2, progress=False)
+                            batch=2, progress=False, patience=patience)
     losses, frac = dec(0.5)
     with torch.no_grad():
         ref_top1 = torch.cat([smol_ref(torch.tensor([s[:-1]])).logits[0].argmax(-1) for s in seqs])
     mode = dec.mode(0.5)
+    assert mode.patience == patience
     seq_argmax = torch.cat([_sequential(mode, eng, s)[1][:-1] for s in seqs])
     assert torch.equal(losses, (seq_argmax != ref_top1).double())
     assert 0 < frac < 1 and losses.sum() > 0

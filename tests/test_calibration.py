@@ -329,6 +329,7 @@ def test_artifact_errors(smol, saved_artifact, tmp_path):
     (["--delta", "0"], "--delta must be in"),
     (["--head-lr", "-1"], "--head-lr must be > 0"),
     (["--train-tokens", "abc"], "--train-tokens must be an integer"),
+    (["--patience", "-1"], "--patience must be >= 0"),
     (["--target-agreement", "0.9", "--max-ppl-increase", "0.1"], "not allowed with argument"),
 ])
 def test_cli_rejects_bad_values(argv, msg, capsys, tmp_path):
@@ -343,6 +344,7 @@ def test_cli_rejects_bad_values(argv, msg, capsys, tmp_path):
 @pytest.mark.parametrize("argv,msg", [
     (["--train-tokens", "100"], "train tokens must be an integer >= the sequence length"),
     (["--max-ppl-increase", "0.1", "--p-value", "binomial"], "supports only --p-value clt"),
+    (["--patience", "3", "--bridge", "deferred"], "patience rule is certified on propagate decoding"),
 ])
 def test_cli_inconsistent_values_fail_before_loading(argv, msg, capsys, tmp_path):
     from laserlm.cli import main
@@ -401,7 +403,7 @@ def test_generate_laser_option_builds_the_adaptive_spec():
     from laserlm.cli import laser_mode_spec
     from laserlm.errors import LaserLMError
 
-    assert laser_mode_spec("full", "a.st") == "adaptive:laser=a.st,patience=0"
+    assert laser_mode_spec("full", "a.st") == "adaptive:laser=a.st"
     assert laser_mode_spec("adaptive:bridge=deferred", "a.st") == "adaptive:bridge=deferred,laser=a.st"
     assert laser_mode_spec("speculative:k=4", "a.st") == "speculative:k=4,laser=a.st"
     with pytest.raises(LaserLMError, match="works with the adaptive mode"):
@@ -484,6 +486,17 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert art2.thresholds["gate_threshold"] <= thr
     assert s2["held_out"]["mean_layers"] <= s["held_out"]["mean_layers"]
     assert {n: (work / n).stat().st_mtime_ns for n in mtimes} == mtimes  # no stage ran again
+    # the patience rule certified with the thresholds: only the thresholds are tested again (with the rule on), and
+    # the file runs the rule it was certified with
+    cfg.patience = 2
+    s4 = calibrate(lm, cfg, tmp_path / "tiny3.safetensors", resume=True, progress=False, work_dir=work)
+    assert {n: (work / n).stat().st_mtime_ns for n in mtimes} == mtimes
+    art3 = load_laser_file(tmp_path / "tiny3.safetensors", lm.engine)
+    assert art3.config["patience"] == 2 and s4["held_out"]["patience"] == 2 and art3.patience == 2
+    assert make_adaptive(lm.engine, laser=str(tmp_path / "tiny3.safetensors")).patience == 2
+    assert art2.patience == 0 and make_adaptive(lm.engine, laser=str(tmp_path / "tiny2.safetensors")).patience == 0
+    assert "patience 2" in format_summary(s4)
+    cfg.patience = 0
     # resume with other head settings retrains the heads and everything that reads them, not the collection
     manifest = json.loads((tmp_path / "tiny.safetensors.work" / "manifest.json").read_text())["stages"]
     assert set(manifest) == {"collect", "heads", "gates", "joint", "router", "outputs", "predictor"}

@@ -63,7 +63,10 @@ def test_round_trip_keeps_every_part_and_states_the_bridge(tmp_path):
         assert torch.equal(back.router(h), art.router(h))
     assert back.router.exit_points == [2] and back.thresholds == {"gate_threshold": 0.7}
     assert back.config["groups"] == "2" and back.bridge == DEFAULT_BRIDGE == "propagate"
-    assert back.path == path and back.mode_spec() == f"adaptive:laser={path},bridge=propagate,patience=0"
+    # the file states no patience: the adaptive mode's default; a stated one (what calibrate certified) is kept
+    assert back.path == path and back.mode_spec() == f"adaptive:laser={path},bridge=propagate,patience=3"
+    back.config["patience"] = 0
+    assert back.mode_spec() == f"adaptive:laser={path},bridge=propagate,patience=0"
     meta = json.loads(path.with_suffix(".json").read_text())
     assert meta["format_version"] == FORMAT_VERSION and meta["weights_sha256"] == weights_sha256(eng.model)
     assert not (tmp_path / "a.laser.tmp").exists()

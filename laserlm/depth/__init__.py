@@ -136,7 +136,9 @@ def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int)
         ats_threshold=o.ats_threshold,
         gate_threshold=_given(o.gate_threshold, file_thr.get("gate_threshold")),
         combine=o.combine,
-        compensation=o.compensation,
+        # a laser file's veto belongs to the policy it was certified with (the file's own; another policy= runs
+        # without it unless compensation= is given)
+        compensation=_given(o.compensation, file_thr.get("compensation") if o.policy is None else None),
         gates=art.gates if art else None,
         vocab_size=vocab_size,
         predictor=art.predictor if art else None,
@@ -146,7 +148,7 @@ def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int)
     if art is not None and o.policy is not None and "predictor" in o.policy:  # the predictor's own certificate
         file_bridge = file_cfg.get("predictor_bridge", file_bridge)
     bridge = _given(o.bridge, file_bridge)
-    patience = _given(o.patience, file_cfg.get("patience", 3))
+    patience = _given(o.patience, art.patience if art else 3)  # a laser file: what it was certified with
     ats_layer = _given(o.ats_layer, file_cfg.get("ats_layer"))
     return groups, policy, bridge, patience, ats_layer
 

@@ -17,8 +17,10 @@ each row making its own exit decisions with the same policy objects the adaptive
 Every row therefore costs full depth here: this is a faithful *simulation* of the per-token decisions for
 scoring many positions quickly, not a fast decoding path. Results equal the one-token-at-a-time adaptive mode
 up to float rounding of batched matmuls (tested against it). Position 0 of each sequence runs at full depth
-(the adaptive mode's prefill), and patience must be 0 (the patience rule couples consecutive tokens of one
-sequence; use the sequential adaptive mode for it).
+(the adaptive mode's prefill). The patience rule (seed 000: after ``k`` consecutive tokens exit in one group, later
+tokens skip the checks before it) couples consecutive tokens of one sequence, so each row keeps its own streak and
+lock (:class:`~laserlm.depth.walk.PatienceState`), updated after every position as the adaptive mode updates a
+request's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 from ..errors import InvalidArgumentError
 from .bridge import PropagateBridge
 from .policies import transition_score
-from .walk import walk_groups
+from .walk import PatienceState, update_patience, walk_groups
 
 
 @dataclass
@@ -38,7 +40,8 @@ class BatchScore:
     """Teacher-forced results of one sequence.
 
     Attributes:
-        logprobs: ``[n - 1]`` float64 log-probability of token ``i + 1`` given tokens ``0..i``.
+        logprobs: ``[n - 1]`` float64 log-probability of token ``i + 1`` given tokens ``0..i`` (``[n]`` with a
+            target: the last entry is the target's log-probability after the whole sequence).
         argmax: ``[n]`` greedy next token after each position.
         layers: ``[n]`` exit layer of each position (L = full depth).
     """
@@ -62,29 +65,31 @@ def run_layers_frozen(engine, a: int, b: int, h_in: torch.Tensor, exited: torch.
 
 
 def supports_batched_score(mode) -> bool:
-    """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (propagate bridge, no patience)."""
-    return (isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "patience", 1) == 0
-            and getattr(mode, "router", None) is None)
+    """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (the propagate bridge, no router)."""
+    return isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "router", None) is None
 
 
 @torch.inference_mode()
-def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
+def score_batch(mode, engine, seqs: list[list[int]], targets: list[int] | None = None) -> list[BatchScore]:
     """Score ``seqs`` (token-id lists, each of length >= 1) under ``mode`` (an
-    :class:`~laserlm.depth.adaptive.AdaptiveDepth` with ``bridge=propagate``, ``patience=0``), all at once.
+    :class:`~laserlm.depth.adaptive.AdaptiveDepth` with ``bridge=propagate``, any patience, no router), all at
+    once.
 
     Sequences are right-padded; a row's padding comes after its real tokens, so with causal attention it never
-    affects them. Memory: one KV cache of ``len(seqs)`` rows x the longest sequence.
+    affects them. Memory: one KV cache of ``len(seqs)`` rows x the longest sequence. ``targets``: optional, the
+    token that follows each sequence, scored after its last position (so a sequence of context + 1 tokens is scored
+    as its first ``context`` tokens plus a target, without running a position past the context).
 
     With a complexity predictor in the policy (seed 000 §2.1), each row keeps its own predictor state, as the
     adaptive mode keeps it per request: the embeddings of its last ``context`` tokens, the ATS its previous token got
     and that token's exit depth; the prediction is made before the token's first layer.
 
     Raises:
-        InvalidArgumentError: the mode is not propagate/patience 0, or an empty sequence.
+        InvalidArgumentError: the mode's bridge is not propagate, it has a router, or an empty sequence.
         ContextLengthError: a sequence longer than the engine's context.
     """
     if not supports_batched_score(mode):
-        raise InvalidArgumentError("batched scoring needs bridge=propagate and patience=0 (and no router)")
+        raise InvalidArgumentError("batched scoring needs bridge=propagate (and no router)")
     if not seqs or any(len(s) == 0 for s in seqs):
         raise InvalidArgumentError("batched scoring needs non-empty sequences")
     from ..errors import ContextLengthError  # noqa: PLC0415
@@ -92,17 +97,22 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
     n_rows, t_max = len(seqs), max(len(s) for s in seqs)
     if t_max > engine.max_seq_len:
         raise ContextLengthError(f"sequence of {t_max} tokens exceeds the context size {engine.max_seq_len}")
+    if targets is not None and len(targets) != n_rows:
+        raise InvalidArgumentError(f"{len(targets)} targets for {n_rows} sequences")
     lens = torch.tensor([len(s) for s in seqs])
-    ids = torch.zeros(n_rows, t_max, dtype=torch.long)
+    ids = torch.zeros(n_rows, t_max + 1, dtype=torch.long)  # one column more: the targets
     for r, s in enumerate(seqs):
         ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+        if targets is not None:
+            ids[r, len(s)] = int(targets[r])
     cache = engine.new_cache(t_max, batch_size=n_rows)
     L = engine.num_layers
     ats_layer = mode.ats_layer
-    logprobs = torch.zeros(n_rows, max(t_max - 1, 0), dtype=torch.float64)
+    logprobs = torch.zeros(n_rows, t_max, dtype=torch.float64)
     argmax = torch.zeros(n_rows, t_max, dtype=torch.long)
     layers = torch.full((n_rows, t_max), float(L))
     prev = [None]  # the previous position's ATS-layer attention probs [B, H, S]
+    patience = [PatienceState() for _ in range(n_rows)]  # per row, as the adaptive mode keeps it per request
     pred = getattr(mode, "predictor", None)
     if pred is not None:  # per-row predictor state (DepthState.recent / last_ats / prev_exit of the adaptive mode)
         from .predictor import predictor_scalars, window_embeddings, window_ids  # noqa: PLC0415
@@ -132,15 +142,23 @@ def score_batch(mode, engine, seqs: list[list[int]]) -> list[BatchScore]:
                     last_ats[0] = ats.float()
             return h_in[:, 0], h[:, 0], ats
 
+        live = (lens > t) & (t > 0)
+        locked = torch.tensor([-1 if p.locked is None else p.locked for p in patience])
         res = walk_groups(mode.groups, mode.policy, lambda b: mode.head_at(engine, b), engine.head, n_rows, run_group,
-                          live=(lens > t) & (t > 0), finish=True, predicted=predicted)
+                          locked=locked, live=live, finish=True, predicted=predicted)
         engine.commit(st)
+        if mode.patience:
+            for r in torch.nonzero(live).flatten().tolist():
+                patience[r] = update_patience(patience[r], mode.patience,
+                                              int(res.exit_group[r]) if bool(res.exited[r]) else None,
+                                              bool(res.lock_failed[r]))
         if pred is not None:
             prev_exit = res.exit_layer.float() / L
         logits = res.logits  # [B, V]; rows that exited have their exit head's logits
         layers[:, t] = res.exit_layer.float()
         argmax[:, t] = logits.argmax(-1)
-        if t + 1 < t_max:
+        if t + 1 < t_max or targets is not None:
             lp = torch.log_softmax(logits, -1)
             logprobs[:, t] = lp.gather(-1, ids[:, t + 1:t + 2]).squeeze(-1).double()
-    return [BatchScore(logprobs[r, :n - 1], argmax[r, :n], layers[r, :n]) for r, n in enumerate(lens.tolist())]
+    scored = 0 if targets is not None else 1  # positions at the end without a next token
+    return [BatchScore(logprobs[r, :n - scored], argmax[r, :n], layers[r, :n]) for r, n in enumerate(lens.tolist())]

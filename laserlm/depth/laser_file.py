@@ -74,10 +74,16 @@ class LaserArtifact:
         """The bridge the thresholds were calibrated for (:data:`DEFAULT_BRIDGE` when the file does not say)."""
         return self.config.get("bridge", DEFAULT_BRIDGE)
 
+    @property
+    def patience(self) -> int:
+        """``k`` of the patience rule the thresholds were certified with (every calibrated file says; a file that
+        does not gets the adaptive mode's default, 3)."""
+        return int(self.config.get("patience", 3))
+
     def mode_spec(self, bridge: str | None = None) -> str:
-        """Mode spec running the calibrated policy: ``adaptive:laser=PATH,bridge=...,patience=0``; another bridge
-        or patience than the file's changes the decisions the thresholds were certified for."""
-        return f"adaptive:laser={self.path},bridge={bridge or self.bridge},patience=0"
+        """Mode spec running the calibrated policy: ``adaptive:laser=PATH,bridge=...,patience=K`` (the file's);
+        another bridge or patience than the file's changes the decisions the thresholds were certified for."""
+        return f"adaptive:laser={self.path},bridge={bridge or self.bridge},patience={self.patience}"
 
 
 def _engine_of(lm):

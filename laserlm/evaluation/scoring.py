@@ -152,8 +152,10 @@ class Scorer:
         out = []
         for i in range(0, len(seqs), self.batch_rows):
             part = seqs[i:i + self.batch_rows]
-            for s, start, r in zip(part, starts[i:i + self.batch_rows], score_batch(self.mode, self.engine, part)):
-                argmax = r.argmax[start - 1:len(s) - 1]
+            # the last token is only a target (the positions run are the context at most, as the sequential path's)
+            scores = score_batch(self.mode, self.engine, [s[:-1] for s in part], targets=[s[-1] for s in part])
+            for s, start, r in zip(part, starts[i:i + self.batch_rows], scores):
+                argmax = r.argmax[start - 1:]
                 out.append(SequenceScore(r.logprobs[start - 1:], bool((argmax == torch.tensor(s[start:])).all()),
-                                         argmax, r.layers[start - 1:len(s) - 1].float()))
+                                         argmax, r.layers[start - 1:].float()))
         return out

@@ -18,6 +18,7 @@ defaults and sources:
   gate features  "state": hidden state, saturation, ATS, depth (a check costs a d-vector dot product; the
                  exit head runs only when a token exits); "head" adds the exit head's confidence (better gates,
                  but every check evaluates the LM head: on SmolLM2-135M about 8 decoder layers)
+  compensation   off; auto picks the veto's relative-change threshold on the gate split (seed 000 §2.1)
   thresholds     Learn-then-Test fixed-sequence testing, exact binomial p-values (CALM-style), each candidate
                  tested on real propagate decoding of the calibration split (--bridge deferred: on exact states)
 
@@ -25,13 +26,13 @@ example:
   laserlm calibrate -m smollm2-135m --target-agreement 0.99 --delta 0.1 -o smol.laser.safetensors
       (about 6 min on 2 idle cores at the default sizes; writes smol.laser.json, the report, beside it)
   laserlm generate "The capital of France is" --laser smol.laser.safetensors
-      (= --mode adaptive:laser=smol.laser.safetensors: the bridge the thresholds were calibrated for,
-      patience 0)
+      (= --mode adaptive:laser=smol.laser.safetensors: the bridge and patience the thresholds were
+      calibrated for)
 
 on a CPU shared with other jobs, --threads 1 can be several times faster than oversubscribed threads.
 
 what the guarantee means: with probability >= 1 - delta over the calibration text, the top-1 agreement with
-the full model (per generated position, patience 0, the stated bridge, this dtype) is >= the target on text
+the full model (per generated position, the stated bridge and patience, this dtype) is >= the target on text
 like the calibration text, assuming positions are exchangeable. Tokens of one document are correlated, so
 small calibration splits overstate the evidence; the run checks the target on a separate held-out split and
 warns when it is missed.
@@ -109,6 +110,14 @@ def add_parser(subparsers) -> None:
                    help="decoding the thresholds are certified for: propagate (default: real decoding of the "
                         "calibration text; skipped layers only get K/V projections) or deferred (exact states; "
                         "the skipped layers still run, one step later)")
+    p.add_argument("--patience", type=_positive(int, "--patience", True), default=0,
+                   help="certify the thresholds with the patience rule on (seed 000: after K consecutive tokens exit "
+                        "in one group, the next tokens skip the checks before it; a failed check runs full depth); "
+                        "propagate only (default: 0, off)")
+    p.add_argument("--compensation", default="off", metavar="off|auto|C",
+                   help="the Residual Bridge's veto (seed 000): a token may exit only if its residual stream changed "
+                        "by at most C (relative) across the group, else the next group runs first; 'auto' picks C "
+                        "on the gate split, and the gate threshold is certified with the veto on (default: off)")
     p.add_argument("--head-steps", type=_positive(int, "--head-steps", True), default=250,
                    help="exit-head training steps (default: %(default)s)")
     p.add_argument("--head-lr", type=_positive(float, "--head-lr"), default=1e-3,
@@ -345,7 +354,7 @@ def config_from_args(args):
         data=args.data, source=args.source, groups=args.groups, min_depth=args.min_depth, seq_len=args.seq_len,
         train_tokens=args.train_tokens, gate_tokens=args.gate_tokens, calib_tokens=args.calib_tokens,
         eval_tokens=args.eval_tokens, adapter=args.adapter, rank=args.rank, use_ats=not args.no_ats,
-        gate_features=args.gate_features, bridge=args.bridge,
+        gate_features=args.gate_features, bridge=args.bridge, patience=args.patience, compensation=args.compensation,
         heads=HeadTrainConfig(steps=args.head_steps, batch_tokens=args.batch_tokens, lr=args.head_lr,
                               grad_clip=args.grad_clip, adaptive_clip=args.adaptive_clip,
                               cross_layer_norm=args.cross_layer_norm, seed=args.seed),

@@ -7,7 +7,7 @@ agreement on exact states gives less under propagate decoding. CALM (Schuster et
 
 Here every candidate threshold of the fixed-sequence test is evaluated by decoding the calibration chunks
 with that threshold through :func:`laserlm.depth.batched.score_batch` (all chunks side by side, per-row exit
-decisions, the propagate bridge, patience 0), and the losses are measured against the full model's own
+decisions, the propagate bridge, the run's patience rule with each chunk's own streak), and the losses are measured against the full model's own
 greedy token and NLL at the same positions.
 """
 
@@ -63,11 +63,14 @@ class PropagateDecoding:
             others still decode (they are context), e.g. the prompt positions of chat calibration text.
         policy_at: optional ``threshold -> ExitPolicy`` replacing the gate policy, e.g. the complexity predictor's
             :class:`~laserlm.depth.policies.PredictorPolicy` (then ``gates`` may be ``None``).
+        patience: ``k`` of the patience rule the guarantee is about (seed 000 §2.1; 0 disables it).
+        tag: part of the memo key naming what ``policy_at`` adds (e.g. the compensation veto), so that one cache
+            file never mixes decodings of different policies.
     """
 
     def __init__(self, engine, groups, heads: dict, gates: dict | None, ats_layer, seqs, data: ExitStates,
                  full_nll: torch.Tensor, kind: str, batch: int = 32, progress: bool = True, cache_file=None,
-                 count: torch.Tensor | None = None, policy_at=None):
+                 count: torch.Tensor | None = None, policy_at=None, patience: int = 0, tag: str = ""):
         self.engine, self.groups, self.heads, self.gates, self.ats_layer = engine, groups, heads, gates, ats_layer
         self.policy_at = policy_at if policy_at is not None else (lambda lam: GatePolicy(self.gates, lam))
         self.seqs, self.full_top1, self.full_nll, self.kind = seqs, data.full_top1, full_nll, kind
@@ -76,16 +79,18 @@ class PropagateDecoding:
         self.last_layers = None
         self.cache_file = cache_file
         self.count = count
+        self.patience = patience
+        self.tag = tag
         self._cache = torch.load(cache_file) if cache_file is not None and cache_file.is_file() else {}
 
     def mode(self, threshold: float) -> AdaptiveDepth:
-        """The adaptive mode the guarantee is about: the policy at ``threshold``, propagate, patience 0."""
-        return AdaptiveDepth(self.engine, self.groups, self.policy_at(threshold), "propagate", patience=0,
+        """The adaptive mode the guarantee is about: the policy at ``threshold``, propagate, the patience rule."""
+        return AdaptiveDepth(self.engine, self.groups, self.policy_at(threshold), "propagate", patience=self.patience,
                              heads=self.heads, ats_layer=self.ats_layer)
 
     def decode(self, threshold: float):
         """``(argmax [N], nll [N], layers [N])`` over all chunks at ``threshold`` (memoised in ``cache_file``)."""
-        key = repr(float(threshold))
+        key = f"{float(threshold)!r}|patience={self.patience}|{self.tag}"
         if key in self._cache:
             return self._cache[key]
         mode = self.mode(threshold)

@@ -30,8 +30,10 @@ from tqdm.auto import tqdm
 from ..depth.groups import make_groups
 from ..depth.heads import GATE_FEATURES
 from ..depth.laser_file import LaserArtifact, save_laser_file
+from ..depth.policies import AllOf, Compensation, GatePolicy
 from ..depth.router import DynamicRouter
 from ..errors import InvalidArgumentError
+from ..runtime.options import is_int
 from .collect import ExitStates, collect_exit_states, load_text_tokens
 from .gates import GateTrainConfig, auroc, gate_probabilities, make_gates, train_gate
 from .heads import make_exit_heads
@@ -39,6 +41,7 @@ from .predictor import (PredictorTrainConfig, certify_predictor, held_out_report
                         teacher_forced_probs, train_predictor)
 from .router import collect_router_data, train_router
 from .stages import Stage, StageRunner
+from .compensation import choose_compensation, relative_change, vetoed
 from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
 from .thresholds import (SHALLOW_MIN_EXITS, SHALLOW_SHARE, calibrate_threshold,  # noqa: F401  (re-exported)
                          candidate_thresholds, exit_decisions, fixed_sequence_test, position_losses, resolve_target,
@@ -65,6 +68,8 @@ class CalibrateConfig:
     use_ats: bool = True               # ATS gate feature (seed 004)
     gate_features: str = "state"       # "state": cheap checks (hidden, saturation, ATS, depth); "head": + confidence
     bridge: str = "propagate"          # thresholds certified on: propagate (real decoding) | deferred (exact states)
+    patience: int = 0                  # the patience rule certified with the thresholds (seed 000 §2.1: k = 3); 0 off
+    compensation: str | float = "off"  # the Residual Bridge's veto (seed 000 §2.1): off | auto | max relative change
     heads: HeadTrainConfig = field(default_factory=HeadTrainConfig)
     gates: GateTrainConfig = field(default_factory=GateTrainConfig)
     joint: JointTrainConfig = field(default_factory=JointTrainConfig)
@@ -100,6 +105,21 @@ class CalibrateConfig:
         if self.bridge not in ("propagate", "deferred"):
             raise InvalidArgumentError(f"thresholds can be calibrated for bridge 'propagate' or 'deferred', got "
                                        f"'{self.bridge}'")
+        if not is_int(self.patience) or self.patience < 0:
+            raise InvalidArgumentError(f"patience must be a non-negative integer, got {self.patience!r}")
+        if self.patience and self.bridge != "propagate":
+            raise InvalidArgumentError("the patience rule is certified on propagate decoding (each calibration chunk "
+                                       "decoded in order, with its streak); --bridge deferred replays exact states "
+                                       "position by position and cannot certify it: use --patience 0")
+        if self.compensation not in ("off", "auto"):
+            try:
+                c = float(self.compensation)
+            except (TypeError, ValueError):
+                c = float("nan")
+            if not c > 0 or c == float("inf"):
+                raise InvalidArgumentError(f"compensation must be 'off', 'auto' or a relative change > 0, got "
+                                           f"{self.compensation!r}")
+            self.compensation = c
         if self.source not in ("text", "chat"):
             raise InvalidArgumentError(f"calibration source must be 'text' or 'chat', got '{self.source}'")
         if self.router_prompts < 0:
@@ -115,7 +135,7 @@ class CalibrateConfig:
     def training_key(self) -> dict:
         """The settings that determine the trained modules (thresholds can change on resume)."""
         d = self.to_dict()
-        for k in ("target_agreement", "max_ppl_increase", "delta", "p_value", "bridge"):
+        for k in ("target_agreement", "max_ppl_increase", "delta", "p_value", "bridge", "patience", "compensation"):
             d.pop(k)
         return d
 
@@ -319,14 +339,22 @@ def _thresholds(ctx):
     g_probs = gate_probabilities(gates, ctx["gate_split"].hidden, g_out.scalars, exits)[:, g_count]
     ctx["h_probs"] = gate_probabilities(gates, held.hidden, after.scalars, exits)
     ctx["h_count"] = h_count
+    comp = _compensation(ctx, g_probs, g_count)  # None: no veto
+    if comp is not None:
+        g_probs = vetoed(g_probs, relative_change(ctx["gate_split"], exits)[:, g_count], comp)
     if cfg.bridge == "deferred":  # exact hidden states: replay the decisions on the collected states
-        c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)[:, c_count]
+        c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)
+        h_probs = ctx["h_probs"]
+        if comp is not None:
+            c_probs = vetoed(c_probs, relative_change(calib, exits), comp)
+            h_probs = vetoed(h_probs, relative_change(held, exits), comp)
+        c_probs = c_probs[:, c_count]
         cal = calibrate_threshold(c_probs, stack(c_out.agree)[:, c_count], target_agreement=cfg.target_agreement,
                                   max_ppl_increase=cfg.max_ppl_increase, nll=stack(c_out.nll)[:, c_count],
                                   full_nll=c_out.full_nll[c_count], delta=cfg.delta, method=cfg.p_value,
                                   candidates=candidate_thresholds(g_probs))
         ctx["calibrate_s"] = time.perf_counter() - t0
-        dec = exit_decisions(ctx["h_probs"][:, h_count], cal.threshold)
+        dec = exit_decisions(h_probs[:, h_count], cal.threshold)
         held_loss = position_losses(dec, stack(after.agree)[:, h_count], stack(after.nll)[:, h_count],
                                     after.full_nll[h_count], kind)
         layers = torch.tensor(exits + [L], dtype=torch.float64)[dec]
@@ -334,11 +362,14 @@ def _thresholds(ctx):
         target, method = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
         head_d, gate_d = {e: ctx["heads"][str(e)] for e in exits}, {e: gates[str(e)] for e in exits}
         progress = ctx["progress"]
+        policy_at = None if comp is None else (lambda lam: AllOf([Compensation(comp), GatePolicy(gate_d, lam)]))
 
         def decoder(split, outputs, name, count):
             return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, gate_d, ctx["ats_layer"],
                                      chunk_sequences(ctx["tokens"], split, cfg.seq_len), split, outputs.full_nll, kind,
-                                     progress=progress, cache_file=ctx["work"] / f"propagate_{name}.pt", count=count)
+                                     progress=progress, cache_file=ctx["work"] / f"propagate_{name}.pt", count=count,
+                                     patience=cfg.patience, policy_at=policy_at,
+                                     tag="" if comp is None else f"compensation={comp!r}")
 
         def report(entry):
             _say(f"threshold {entry['threshold']:.4f}: risk {entry['risk']:.4f}, p-value {entry['p_value']:.3g}, "
@@ -414,7 +445,8 @@ def _predictor_thresholds(ctx):
             return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, None, ctx["ats_layer"],
                                      chunk_sequences(ctx["tokens"], split, cfg.seq_len), split, outputs.full_nll, kind,
                                      progress=ctx["progress"], cache_file=ctx["work"] / f"propagate_predictor_{name}.pt",
-                                     count=_counted(ctx, split), policy_at=lambda lam: PredictorPolicy(pred, lam))
+                                     count=_counted(ctx, split), policy_at=lambda lam: PredictorPolicy(pred, lam),
+                                     patience=cfg.patience)
 
         g_probs = teacher_forced_probs(pred, g_in)
         g_count = _counted(ctx, ctx["gate_split"])
@@ -449,9 +481,36 @@ def _predictor_thresholds(ctx):
         "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def _compensation(ctx, g_probs: torch.Tensor, g_count: torch.Tensor) -> float | None:
+    """The compensation veto's threshold for this run (``None``: off): the configured value, or with ``auto`` the one
+    :func:`~laserlm.training.compensation.choose_compensation` picks on the gate split; the choice goes into
+    ``ctx["compensation_report"]``."""
+    cfg, exits = ctx["cfg"], ctx["exits"]
+    ctx["compensation_report"] = None
+    if cfg.compensation == "off":
+        return None
+    if cfg.compensation != "auto":
+        ctx["compensation_report"] = {"threshold": float(cfg.compensation), "chosen_on": "given"}
+        return float(cfg.compensation)
+    g_out = ctx["g_out"]
+    target, _ = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
+    if target["kind"] == "agreement":
+        losses = torch.stack([~g_out.agree[e] for e in exits]).double()
+    else:
+        losses = torch.stack([g_out.nll[e] for e in exits]).double() - g_out.full_nll.double()
+    change = relative_change(ctx["gate_split"], exits)[:, g_count]
+    rep = choose_compensation(g_probs, change, losses[:, g_count], target["alpha"], exits, ctx["L"])
+    ctx["compensation_report"] = {**rep, "chosen_on": "gate split (exact states)"}
+    _say("compensation: " + ("off (no veto saves layers on the gate split)" if rep["threshold"] is None else
+                             f"veto exits whose relative change across the group exceeds {rep['threshold']:.4f}"),
+         ctx["progress"])
+    return rep["threshold"]
+
+
 def _threshold_settings(ctx):
     cfg = ctx["cfg"]
-    return {k: getattr(cfg, k) for k in ("target_agreement", "max_ppl_increase", "delta", "p_value", "bridge")}
+    return {k: getattr(cfg, k) for k in ("target_agreement", "max_ppl_increase", "delta", "p_value", "bridge",
+                                         "patience", "compensation")}
 
 
 STAGES = (
@@ -498,7 +557,8 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
             "exit_fraction": round(float((dec == i).double().mean()), 4),
         })
     n_held = int(held_loss.numel())  # the counted held-out positions
-    measured = {"positions": n_held, "bridge": cfg.bridge, "mean_layers": round(float(layers.mean()), 3),
+    measured = {"positions": n_held, "bridge": cfg.bridge, "patience": cfg.patience,
+                "mean_layers": round(float(layers.mean()), 3),
                 "full_depth_fraction": round(float((dec == len(exits)).double().mean()), 4)}
     # where the losses fall: at exited tokens, or (propagate only) at full-depth tokens reading bridged K/V
     exited = dec < len(exits)
@@ -527,6 +587,7 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
         "calibration": {k: v for k, v in cal.to_dict().items() if k != "curve"},
         "held_out": measured, "per_exit": per_exit, "router": ctx["router_report"],
         "predictor": ctx.get("predictor_report"),
+        "compensation": ctx.get("compensation_report"),
         "warnings": ([bias.format(exit=exits[0] if exits else 0)] if bias else [])
                     + ([w] if (w := (ctx.get("predictor_report") or {}).get("held_out", {}).get("warning")) else []),
         "text": ctx["text_report"],
@@ -672,8 +733,10 @@ def calibrate(lm, cfg: CalibrateConfig, output, resume: bool = False, progress: 
     # the depth package's adaptive mode reads thresholds["gate_threshold"] (GatePolicy: exit iff prob > it);
     # 1.0 = never exit when no threshold could be certified
     thresholds = {"gate_threshold": cal.threshold if cal.threshold is not None else 1.0}
+    if (ctx.get("compensation_report") or {}).get("threshold") is not None:  # the veto the gate threshold was certified with
+        thresholds["compensation"] = ctx["compensation_report"]["threshold"]
     config = {"groups": groups.describe(), "min_depth": groups.min_depth, "policy": "gate",
-              "ats_layer": ctx["ats_layer"], "bridge": cfg.bridge, "patience": 0, "calibration": summary}
+              "ats_layer": ctx["ats_layer"], "bridge": cfg.bridge, "patience": cfg.patience, "calibration": summary}
     if ctx["predictor_report"] is not None:  # policy=predictor reads these; certified for the run's bridge
         thr = ctx["predictor_report"]["threshold"]
         thresholds["predictor_threshold"] = thr if thr is not None else 1.0
@@ -698,7 +761,8 @@ def format_summary(s: dict) -> str:
     lines.append(f"  guarantee: {c['guarantee']}")
     lines.append(f"  calibration split: risk {c['risk']:.4f} over {c['n']} positions, {c['tested']} thresholds tested")
     measured = (f"agreement {h['agreement']:.4f}" if "agreement" in h else f"perplexity increase {h['ppl_increase']:.2%}")
-    lines.append(f"  held-out split ({h['positions']} positions): {measured}, mean layers {h['mean_layers']:.2f}, "
+    lines.append(f"  held-out split ({h['positions']} positions, patience {h.get('patience', 0)}): {measured}, "
+                 f"mean layers {h['mean_layers']:.2f}, "
                  f"full depth {h['full_depth_fraction']:.1%}, target met: {h['target_met']}")
     if "loss_at_exited_tokens" in h:
         lines.append(f"  held-out losses as a share of all positions: {h['loss_at_exited_tokens']:.4f} at tokens that "
