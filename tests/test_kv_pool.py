@@ -360,3 +360,25 @@ def test_page_hashes_chain():
     assert len(a) == 2 and a == b  # only full pages; same first 32 tokens
     assert c[0] != a[0] and c[1] != a[1]  # a change in page 0 changes every later key
     assert page_hashes(list(range(40)), 16, "other") != a
+
+
+def test_staged_pool_doubles_up_to_the_budget_and_keeps_the_pages():
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=10, page_size=2, prealloc="staged",
+                  first_pages=2)
+    assert pool.capacity == 2 and pool.free_pages == 10 and pool.k.shape[1] == 3
+    pages, caps = [], []
+    for i in range(10):
+        p = pool.allocate()
+        pool.k[:, p] = float(i + 1)  # a mark per page: a growth must copy it
+        pages.append(p)
+        caps.append(pool.capacity)
+    assert pages == list(range(1, 11)) and caps == [2, 2, 4, 4, 8, 8, 8, 8, 10, 10]
+    assert all(float(pool.k[0, p, 0, 0]) == i + 1 for i, p in enumerate(pages))
+    assert pool.stats["arena_growths"] == 3 and pool.free_pages == 0
+    with pytest.raises(PoolFullError, match="KV pool full"):
+        pool.allocate()
+    for p in pages:
+        pool.release(p)
+    pool.check()  # every page free again, none past the budget
+    with pytest.raises(InvalidArgumentError, match="pre-allocation must be one of"):
+        KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=10, prealloc="lazy")

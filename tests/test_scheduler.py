@@ -420,3 +420,61 @@ def test_native_batch_of_many_equals_each_request_alone_whatever_the_chunking(sm
         run_all(sched)
         assert [[e.token_id for e in sched.get(r).events] for r in rids] == expected, f"prefill_chunk={chunk}"
         assert sched.stats["batched_rows"] >= 20 * 5  # the requests did decode together
+
+
+def _staged_plan(engine, prealloc: str, seed: int):
+    """One random plan of requests (lengths, budgets, sampling, shared prefixes, cancels) on a small budget; returns
+    what the scheduler admitted and produced, and the largest arena it held (pages)."""
+    rng = random.Random(seed)
+    cfg = BatchConfig(kv_budget=f"{rng.choice([96, 160, 400])}t", page_size=rng.choice([2, 4]),
+                      max_batch=rng.choice([2, 4, 8]), max_queue=rng.choice([3, 50]), prefill_chunk=rng.choice([3, 16]),
+                      compact_every=5, compact_threshold=0.0, prefix_cache=rng.choice([True, False]),
+                      kv_prealloc=prealloc)
+    sched = Scheduler(engine, cfg, eos_ids=[0])
+    base = [rng.randrange(1, 256) for _ in range(24)]
+    admitted, live, largest = [], [], sched.pool.capacity
+    for _ in range(12):
+        n = rng.randrange(1, 24)
+        ids = torch.tensor(base[:n] if rng.random() < 0.5 else [rng.randrange(1, 256) for _ in range(n)])
+        params = SamplingParams(max_new_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 1.0]),
+                                seed=rng.randrange(100), ignore_eos=True)
+        try:
+            live.append(sched.submit(ids, params))
+            admitted.append(True)
+        except PoolFullError:
+            admitted.append(False)
+        for _ in range(rng.randrange(0, 4)):
+            sched.step()
+            largest = max(largest, sched.pool.capacity)
+            assert sched.pool.k.shape[1] - 1 == sched.pool.capacity <= sched.pool.num_pages  # never past the ceiling
+        if live and rng.random() < 0.15:
+            sched.cancel(rng.choice(live))
+    while sched.has_unfinished:
+        sched.step()
+        largest = max(largest, sched.pool.capacity)
+    sched.pool.check()
+    assert sched.pool.used_pages == 0 and sched.pool.reserved == 0
+    tokens = [[ev.token_id for ev in sched.get(r).events] for r in live]
+    return admitted, tokens, largest, sched.pool.num_pages, sched.pool.stats["arena_growths"]
+
+
+def test_staged_preallocation_admits_what_the_full_arena_admits(monkeypatch):
+    """Pre-allocation in steps (seed 004): on random plans the staged pool admits and refuses exactly the requests the
+    fully pre-allocated one does, every request gets the same tokens, the arena never exceeds the budget, and it grew
+    (the plans filled more than the first arena) without reaching the budget in every plan."""
+    import laserlm.runtime.kv_pool as kv_pool
+
+    engine = tiny_llama()
+    monkeypatch.setattr(kv_pool, "STAGED_FIRST_PAGES", 8)  # a first arena smaller than every budget here
+    grew, below = 0, 0
+    for seed in range(6):
+        full = _staged_plan(engine, "full", seed)
+        staged = _staged_plan(engine, "staged", seed)
+        assert staged[0] == full[0] and staged[1] == full[1], seed
+        assert full[2] == full[3] and full[4] == 0  # the full arena holds the budget from the start, and never grows
+        assert staged[2] <= staged[3]
+        grew += staged[4] > 0
+        below += staged[2] < staged[3]
+    assert grew == 6 and below > 0
+    with pytest.raises(InvalidArgumentError, match="kv_prealloc must be one of"):
+        BatchConfig(kv_prealloc="lazy").validate()

@@ -7,8 +7,14 @@ layer depth; seed 004 §3.2: preallocation and periodic compaction).
 
 Layout
 ------
-One key and one value arena, ``[n_kv_heads, num_pages + 1, page_size, head_dim]`` each, allocated once
-(:meth:`KVPool.for_engine`, sized by a budget in MiB or tokens). A *page* holds ``page_size`` consecutive
+One key and one value arena, ``[n_kv_heads, capacity + 1, page_size, head_dim]`` each (:meth:`KVPool.for_engine`,
+sized by a budget in MiB or tokens). With ``prealloc="full"`` (the default) the arena holds the whole budget from the
+start (``capacity == num_pages``). With ``prealloc="staged"`` (seed 004 §3.2, progressive pre-allocation) it starts
+at :data:`STAGED_FIRST_PAGES` pages (or the budget, if smaller) and doubles, up to the budget, when a page is
+needed and none is free: a step allocates the larger arena and copies the pages in use (page numbers do not change,
+so no table is rewritten). Admission counts the budget, not the arena, so a staged pool admits exactly the requests
+a full one does; memory follows the load. A growth holds both arenas for the copy (at most 1.5x the budget for that
+moment). A *page* holds ``page_size`` consecutive
 positions of **one** decoder layer; page 0 is the null page (never handed out; padding of batched gathers).
 Every request owns a :class:`PagedCache`: a page table ``[num_layers, max_pages]`` (physical page of each
 logical page, per layer; 0 = no page). Pages are taken on demand as the request's positions grow and all go
@@ -68,6 +74,8 @@ from .kv_cache import CachePositions
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_BUDGET = "512MiB"
+PREALLOC = ("full", "staged")
+STAGED_FIRST_PAGES = 1024  # the first arena of a staged pool: 16k positions of one layer at the default page size
 
 
 @dataclass
@@ -135,28 +143,40 @@ class KVPool:
         page_size: positions per page (default 16).
         dtype: storage dtype (the model's).
         budget_text: how the budget was written (for error messages).
+        prealloc: ``full`` (the arena holds ``num_pages`` from the start) or ``staged`` (it starts at
+            ``first_pages`` and doubles up to ``num_pages`` as pages are needed; see the module docstring).
 
     Attributes:
-        k, v: ``[n_kv, num_pages + 1, page_size, head_dim]`` arenas (page 0: the null page). Head-major, so
+        k, v: ``[n_kv, capacity + 1, page_size, head_dim]`` arenas (page 0: the null page). Head-major, so
             gathering a row's pages is one ``index_select`` whose result is already a ``[n_kv, S, hd]`` view.
+        capacity: pages in the arena now (``num_pages``, the budget, at most).
         ref: reference count of each page.
         reserved: pages promised to admitted requests (the scheduler's admission control).
         stats: counters (``prefix_hit_pages``, ``prefix_query_pages``, ``evicted_pages``, ``cow_copies``,
             ``compactions``, ``moved_pages``, ``cached_pages_reused``, ``skipped_pages``: pages returned because
-            every position in them skipped their layer, :meth:`PagedCache.release_skipped`).
+            every position in them skipped their layer, :meth:`PagedCache.release_skipped`; ``arena_growths``).
+
+    Raises:
+        InvalidArgumentError: a non-positive size, an unknown ``prealloc``.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
-                 page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.float32, budget_text: str = ""):
-        if page_size <= 0 or num_pages <= 0:
-            raise InvalidArgumentError(f"page size and page count must be positive, got {page_size}, {num_pages}")
+                 page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.float32, budget_text: str = "",
+                 prealloc: str = "full", first_pages: int = STAGED_FIRST_PAGES):
+        if page_size <= 0 or num_pages <= 0 or first_pages <= 0:
+            raise InvalidArgumentError(f"page size and page counts must be positive, got {page_size}, {num_pages}, "
+                                       f"{first_pages}")
+        if prealloc not in PREALLOC:
+            raise InvalidArgumentError(f"KV pre-allocation must be one of {', '.join(PREALLOC)}, got {prealloc!r}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        shape = (num_kv_heads, num_pages + 1, page_size, head_dim)
+        self.prealloc = prealloc
+        self.capacity = num_pages if prealloc == "full" else min(num_pages, first_pages)
+        shape = (num_kv_heads, self.capacity + 1, page_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.ref = [0] * (num_pages + 1)
-        self._free = list(range(1, num_pages + 1))  # a heap: the lowest free page first (keeps the arena dense)
+        self._free = list(range(1, self.capacity + 1))  # a heap: the lowest free page first (keeps the arena dense)
         self._key_of: dict[int, tuple] = {}  # registered page -> prefix key
         self._page_of: dict[tuple, int] = {}  # prefix key -> page
         self._cached: OrderedDict[int, None] = OrderedDict()  # registered pages nobody references, oldest first
@@ -164,18 +184,21 @@ class KVPool:
         self.budget_text = budget_text or f"{num_pages} pages"
         self.caches: set = set()  # live PagedCaches (compaction rewrites their tables)
         self.stats = {"prefix_hit_pages": 0, "prefix_query_pages": 0, "evicted_pages": 0, "cow_copies": 0,
-                      "compactions": 0, "moved_pages": 0, "cached_pages_reused": 0, "skipped_pages": 0}
+                      "compactions": 0, "moved_pages": 0, "cached_pages_reused": 0, "skipped_pages": 0,
+                      "arena_growths": 0}
 
     @classmethod
-    def for_engine(cls, engine, budget=None, page_size: int = DEFAULT_PAGE_SIZE) -> KVPool:
-        """A pool for ``engine``'s model holding ``budget`` (see :func:`parse_budget`; default 512 MiB)."""
+    def for_engine(cls, engine, budget=None, page_size: int = DEFAULT_PAGE_SIZE, prealloc: str = "full") -> KVPool:
+        """A pool for ``engine``'s model holding ``budget`` (see :func:`parse_budget`; default 512 MiB), its arena
+        pre-allocated ``full`` or ``staged``."""
         a = engine.adapter
         if not isinstance(page_size, int) or page_size <= 0:
             raise InvalidArgumentError(f"page size must be a positive integer, got {page_size!r}")
         elem = torch.tensor([], dtype=engine.dtype).element_size()
         page_bytes = 2 * a.num_kv_heads * page_size * a.head_dim * elem
         b = parse_budget(budget, a.num_layers, page_bytes, page_size)
-        return cls(a.num_layers, a.num_kv_heads, a.head_dim, b.pages, page_size, engine.dtype, b.text)
+        return cls(a.num_layers, a.num_kv_heads, a.head_dim, b.pages, page_size, engine.dtype, b.text, prealloc,
+                   STAGED_FIRST_PAGES)
 
     # -- accounting ------------------------------------------------------------------------------
     @property
@@ -185,13 +208,14 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the arena (K and V, null page included)."""
+        """Bytes of the arena now (K and V, null page included)."""
         return 2 * self.k.numel() * self.k.element_size()
 
     @property
     def free_pages(self) -> int:
-        """Pages that can be handed out now: free ones plus cached ones nobody references."""
-        return len(self._free) + len(self._cached)
+        """Pages that can be handed out now: free ones, cached ones nobody references, and those of the budget
+        the arena has not grown to yet."""
+        return len(self._free) + len(self._cached) + (self.num_pages - self.capacity)
 
     @property
     def used_pages(self) -> int:
@@ -208,14 +232,15 @@ class KVPool:
 
     def describe(self) -> str:
         mib = self.num_pages * self.page_bytes / 2**20
-        return f"{self.budget_text} = {self.num_pages} pages of {self.page_size} positions ({mib:.1f} MiB)"
+        staged = "" if self.prealloc == "full" else f", staged: {self.capacity} allocated"
+        return f"{self.budget_text} = {self.num_pages} pages of {self.page_size} positions ({mib:.1f} MiB{staged})"
 
     def fragmentation(self) -> dict:
         """``internal``: the share of positions in owned pages that hold no token (part-filled last pages);
         ``external``: the share of the arena below the highest page in use that is free (holes)."""
         owned = sum(c.owned_pages() for c in self.caches)
         filled = sum(c.stored_positions() for c in self.caches)
-        in_use = [p for p in range(1, self.num_pages + 1) if self.ref[p] > 0 or p in self._cached]
+        in_use = [p for p in range(1, self.capacity + 1) if self.ref[p] > 0 or p in self._cached]
         top = max(in_use, default=0)
         return {"internal": 1 - filled / (owned * self.page_size) if owned else 0.0,
                 "external": 1 - len(in_use) / top if top else 0.0}
@@ -227,6 +252,8 @@ class KVPool:
         Raises:
             PoolFullError: every page is referenced.
         """
+        if not self._free and self.capacity < self.num_pages:  # staged: grow before dropping cached prefixes
+            self._grow()
         if self._free:
             page = heapq.heappop(self._free)
         elif self._cached:
@@ -238,6 +265,20 @@ class KVPool:
                                 "are in use; raise --kv-budget or run fewer requests at once")
         self.ref[page] = 1
         return page
+
+    def _grow(self) -> None:
+        """Staged pre-allocation's step: double the arena (up to the budget), copying the pages it holds."""
+        new = min(self.num_pages, 2 * self.capacity)
+        with torch.inference_mode(False):  # growing inside a forward: the arena must stay a normal tensor (compaction
+            for name in ("k", "v"):        # and copy-on-write write into it between steps)
+                old = getattr(self, name)
+                arena = torch.zeros((self.num_kv_heads, new + 1, self.page_size, self.head_dim), dtype=self.dtype)
+                arena[:, :self.capacity + 1].copy_(old)
+                setattr(self, name, arena)
+        for p in range(self.capacity + 1, new + 1):
+            heapq.heappush(self._free, p)
+        self.capacity = new
+        self.stats["arena_growths"] += 1
 
     def share(self, page: int) -> None:
         """One more reference to ``page`` (a prefix hit)."""
@@ -292,7 +333,7 @@ class KVPool:
         """Move every page in use (referenced or cached) to the lowest page numbers, rewriting the page tables
         of the live caches and the prefix registry; returns the number of pages moved. Run it between steps
         (no forward may hold a window on the pool)."""
-        in_use = [p for p in range(1, self.num_pages + 1) if self.ref[p] > 0 or p in self._cached]
+        in_use = [p for p in range(1, self.capacity + 1) if self.ref[p] > 0 or p in self._cached]
         targets = set(range(1, len(in_use) + 1))
         movers = [p for p in in_use if p not in targets]
         holes = sorted(targets - set(in_use))
@@ -303,7 +344,7 @@ class KVPool:
         dst = torch.tensor(list(mapping.values()))
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
-        remap = torch.arange(self.num_pages + 1)
+        remap = torch.arange(self.capacity + 1)
         remap[src] = dst
         for c in self.caches:
             c.table.copy_(remap[c.table])
@@ -316,7 +357,7 @@ class KVPool:
             if old in self._cached:
                 del self._cached[old]
                 self._cached[new] = None
-        self._free = sorted(set(range(1, self.num_pages + 1)) - set(range(1, len(in_use) + 1)))
+        self._free = sorted(set(range(1, self.capacity + 1)) - set(range(1, len(in_use) + 1)))
         self.stats["compactions"] += 1
         self.stats["moved_pages"] += len(mapping)
         return len(mapping)
@@ -331,9 +372,11 @@ class KVPool:
                     refs[p] += 1
         assert refs[1:] == self.ref[1:], "reference counts differ from the page tables"
         free, cached = set(self._free), set(self._cached)
-        for p in range(1, self.num_pages + 1):
+        for p in range(1, self.capacity + 1):
             states = (self.ref[p] > 0) + (p in free) + (p in cached)
             assert states == 1, f"page {p} is referenced/free/cached {states} times"
+        assert all(self.ref[p] == 0 for p in range(self.capacity + 1, self.num_pages + 1))
+        assert self.k.shape[1] == self.capacity + 1 <= self.num_pages + 1, "the arena exceeds the budget"
 
 
 class PagedCache(CachePositions):

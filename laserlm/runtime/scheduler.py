@@ -45,7 +45,7 @@ import torch
 from ..errors import InvalidArgumentError, PoolFullError, QueueFullError
 from .eviction import parse_eviction
 from .generate import TokenEvent
-from .kv_pool import DEFAULT_PAGE_SIZE, KVPool, PagedCache, budget_amount
+from .kv_pool import DEFAULT_PAGE_SIZE, PREALLOC, KVPool, PagedCache, budget_amount
 from .runner import Emitted, advance, advance_batch, prefill_chunk, start, token_events
 from .modes import FullDepth
 from .options import is_int, is_number
@@ -67,6 +67,8 @@ class BatchConfig:
         prefix_cache: share full prompt pages between requests (default True).
         compact_every: finished requests between fragmentation checks (the seed's every-N rule; default 100).
         compact_threshold: external fragmentation above which the check compacts the pool (default 0.25).
+        kv_prealloc: ``full`` (the arena holds the budget from the start) or ``staged`` (it grows with the load up
+            to the budget; :class:`~laserlm.runtime.kv_pool.KVPool`).
     """
 
     kv_budget: object = None
@@ -78,6 +80,7 @@ class BatchConfig:
     prefix_cache: bool = True
     compact_every: int = 100
     compact_threshold: float = 0.25
+    kv_prealloc: str = "full"
 
     def validate(self) -> BatchConfig:
         """Check every setting that needs no model (the budget's syntax, the eviction spec); returns self.
@@ -97,6 +100,8 @@ class BatchConfig:
         if self.eviction is not None and not isinstance(self.eviction, str) and not hasattr(self.eviction, "apply"):
             raise InvalidArgumentError(f"eviction must be a policy spec such as 'streaming:window=256', got "
                                        f"{self.eviction!r}")
+        if self.kv_prealloc not in PREALLOC:
+            raise InvalidArgumentError(f"kv_prealloc must be one of {', '.join(PREALLOC)}, got {self.kv_prealloc!r}")
         budget_amount(self.kv_budget)  # syntax (the page count needs the model)
         parse_eviction(self.eviction)
         return self
@@ -160,7 +165,7 @@ class Scheduler:
     def __init__(self, engine, config: BatchConfig | None = None, eos_ids=()):
         self.engine = engine
         self.config = (config or BatchConfig()).validate()
-        self.pool = KVPool.for_engine(engine, self.config.kv_budget, self.config.page_size)
+        self.pool = KVPool.for_engine(engine, self.config.kv_budget, self.config.page_size, self.config.kv_prealloc)
         self.eviction = parse_eviction(self.config.eviction)
         if self.eviction is not None and engine.kernel is not None:
             raise InvalidArgumentError("KV eviction does not combine with block-sparse attention (use dense)")
@@ -450,7 +455,8 @@ class Scheduler:
     def summary(self) -> dict:
         """Pool and scheduler counters (pages, reservations, prefix hits, evictions, fragmentation)."""
         p = self.pool
-        return {"pages_total": p.num_pages, "pages_used": p.used_pages, "pages_cached": p.cached_pages,
+        return {"pages_total": p.num_pages, "pages_allocated": p.capacity, "pages_used": p.used_pages,
+                "pages_cached": p.cached_pages,
                 "pages_reserved": p.reserved, "page_size": p.page_size, "running": len(self.running),
                 "waiting": len(self.waiting), "finished": self.finished_count, **self.stats, **p.stats,
                 "fragmentation": p.fragmentation()}

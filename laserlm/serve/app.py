@@ -89,6 +89,7 @@ class ServerSettings:
     prefill_chunk: int = 256
     eviction: str | None = None
     prefix_cache: bool = True
+    kv_prealloc: str = "full"
     api_key: str | None = None
     default_max_tokens: int = 512
     max_body_bytes: int = 4 * 1024 * 1024
@@ -101,7 +102,8 @@ class ServerSettings:
 
     def batch_options(self) -> dict:
         return {"max_batch": self.max_batch, "max_queue": self.max_queue, "page_size": self.page_size,
-                "prefill_chunk": self.prefill_chunk, "eviction": self.eviction, "prefix_cache": self.prefix_cache}
+                "prefill_chunk": self.prefill_chunk, "eviction": self.eviction, "prefix_cache": self.prefix_cache,
+                "kv_prealloc": self.kv_prealloc}
 
     def mode_specs(self) -> list[str]:
         """The default mode spec first, then the other allowed specs (duplicates dropped)."""

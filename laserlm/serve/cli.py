@@ -82,6 +82,7 @@ def settings_from_args(args):
         laser=args.laser, weights=args.weights, prefill_dtype=args.prefill_dtype, dtype=args.dtype, ctx_size=args.ctx_size, threads=args.threads,
         kv_budget=args.kv_budget, max_batch=args.max_batch, max_queue=args.max_queue, page_size=args.page_size,
         prefill_chunk=args.prefill_chunk, eviction=args.eviction, prefix_cache=not args.no_prefix_cache,
+        kv_prealloc=args.kv_prealloc,
         api_key=args.api_key or os.environ.get("LASERLM_API_KEY") or None,
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout, docs=args.docs)

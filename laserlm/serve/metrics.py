@@ -42,7 +42,8 @@ class ServerMetrics:
         self.kv_usage = Gauge("laserlm:kv_cache_usage_perc", "Fraction of KV pool pages in use (0-1).", registry=r)
         self.kv_reserved = Gauge("laserlm:kv_cache_reserved_perc",
                                  "Fraction of KV pool pages reserved by admitted requests (0-1).", registry=r)
-        self.kv_bytes = Gauge("laserlm:kv_cache_capacity_bytes", "Bytes of the KV pool's pages (at most the budget).",
+        self.kv_bytes = Gauge("laserlm:kv_cache_capacity_bytes", "Bytes of the KV pool's pages allocated now (the "
+                              "budget; less while a staged pool has not grown to it).",
                               registry=r)
         self.kv_peak = Gauge("laserlm:kv_cache_peak_usage_perc", "Highest KV pool usage seen (0-1).", registry=r)
         self.prompt_tokens = Counter("laserlm:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -82,7 +83,7 @@ class ServerMetrics:
         self.kv_usage.set(used)
         self.kv_reserved.set(pool.reserved / max(pool.num_pages, 1))
         self.kv_peak.set(self._peak)
-        self.kv_bytes.set(pool.num_pages * pool.page_bytes)
+        self.kv_bytes.set(pool.capacity * pool.page_bytes)
 
     def observe_request(self, prompt_tokens: int, generated: int, finished_reason: str, ttft: float | None,
                         itl: list[float], e2e: float, layers: list[float], draft_n: int, accepted_n: int) -> None:
