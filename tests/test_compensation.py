@@ -12,7 +12,8 @@ import torch
 from laserlm.depth import make_groups
 from laserlm.depth.policies import AllOf, Compensation, ExitPolicy
 from laserlm.depth.walk import walk_groups
-from laserlm.training.compensation import choose_compensation, relative_change, vetoed
+from laserlm.training.compensation import (choose_compensation, compensation_candidates, exact_state_measure,
+                                          relative_change, vetoed)
 
 
 class Always(ExitPolicy):
@@ -93,6 +94,11 @@ def _enumerate(probs, change, losses, alpha, exits, L, c):
     return best
 
 
+def _choose_exact(probs, change, losses, alpha, exits, L):
+    grid, measure = exact_state_measure(probs, change, losses, exits, L)
+    return choose_compensation(compensation_candidates(change), grid, measure, alpha, L)
+
+
 def test_choose_compensation_against_enumeration():
     """Exits that change a lot are the wrong ones here: vetoing them lets a looser gate threshold pass, so a veto
     wins; with the loss unrelated to the change, no veto saves layers and 'off' is kept."""
@@ -101,15 +107,16 @@ def test_choose_compensation_against_enumeration():
     probs = torch.rand(E, N, generator=g)
     change = torch.rand(E, N, generator=g)
     risky = (change > 0.8).double()  # the exit disagrees when the change is large
-    rep = choose_compensation(probs, change, risky, 0.02, exits, L)
+    rep = _choose_exact(probs, change, risky, 0.02, exits, L)
     assert rep["threshold"] is not None and rep["threshold"] <= 0.81
     by_c = {r["threshold"]: r for r in rep["candidates"]}
+    assert list(by_c)[0] is None and len(by_c) == 7  # off first, then the quantiles, loosest first
     for c, r in by_c.items():
         thr, layers = _enumerate(probs, change, risky, 0.02, exits, L, c)
         assert r["gate_threshold"] == pytest.approx(thr) and r["mean_layers"] == pytest.approx(layers, abs=1e-4)
     assert by_c[rep["threshold"]]["mean_layers"] < by_c[None]["mean_layers"]
     random_loss = (torch.rand(E, N, generator=g) < 0.05).double()
-    rep = choose_compensation(probs, change, random_loss, 0.01, exits, L)
+    rep = _choose_exact(probs, change, random_loss, 0.01, exits, L)
     by_c = {r["threshold"]: r for r in rep["candidates"]}
     best = min(r["mean_layers"] for r in rep["candidates"])
     assert (rep["threshold"] is None) == (by_c[None]["mean_layers"] == best)
@@ -139,7 +146,8 @@ def test_calibrated_compensation_is_stored_and_run_from_the_laser_file(smol, tmp
     cfg.compensation = "auto"
     s2 = calibrate(lm, cfg, tmp_path / "d.safetensors", resume=True, progress=False, work_dir=tmp_path / "c.safetensors.work")
     rep = s2["compensation"]
-    assert rep["chosen_on"].startswith("gate split") and rep["candidates"][0]["threshold"] is None
+    assert rep["chosen_on"] == "gate split (propagate decoding)" and rep["candidates"][0]["threshold"] is None
+    assert (tmp_path / "c.safetensors.work" / "propagate_gate.pt").is_file()  # owned by the outputs stage
     art2 = load_laser_file(tmp_path / "d.safetensors", lm.engine)
     assert art2.thresholds.get("compensation") == rep["threshold"]
     with pytest.raises(Exception, match="compensation must be"):

@@ -9,9 +9,13 @@ the K/V the ``propagate`` bridge projects from the exit state for the skipped la
 
 The threshold ``c`` is chosen here on the *gate* split, which the certificate does not use (so the choice cannot bias
 it): for every candidate ``c`` (quantiles of the change over the split's exit points, and "off"), the loosest gate
-threshold whose empirical loss on exact states meets the target is found, and the ``c`` with the fewest layers per
-token at that point wins ("off" on ties: a veto must earn its place). The gate threshold is then certified on the
-calibration split with the chosen veto in the policy (:mod:`laserlm.training.decoding`), exactly as without it.
+threshold whose empirical loss on the split meets the target is found, and the ``c`` with the fewest layers per
+token at that point wins ("off" on ties: a veto must earn its place). The loss is measured on the decoding the
+certificate is about: the calibration pipeline decodes the gate split with the ``propagate`` bridge for every pair
+it tries (exact states would miss what the bridge's projected K/V do to later tokens, which on SmolLM2 is most of the
+loss), and replays exact states for ``deferred`` (:func:`exact_state_measure`). The gate threshold is then certified
+on the calibration split with the chosen veto in the policy (:mod:`laserlm.training.decoding`), exactly as without
+it.
 """
 
 from __future__ import annotations
@@ -43,38 +47,64 @@ def vetoed(gate_probs: torch.Tensor, change: torch.Tensor, c: float) -> torch.Te
     return torch.where(change <= c, gate_probs, torch.zeros_like(gate_probs))
 
 
-def choose_compensation(gate_probs: torch.Tensor, change: torch.Tensor, losses: torch.Tensor, alpha: float,
-                        exits: list[int], num_layers: int) -> dict:
-    """Pick the compensation threshold on exact states of a split the certificate does not use.
+def compensation_candidates(change: torch.Tensor) -> list[float]:
+    """The candidate thresholds, loosest first: ``inf`` (off), then quantiles :data:`QUANTILE_LEVELS` of
+    ``change [E, N]`` (the relative change at every exit point and position of a split), descending."""
+    flat = change.flatten().double()
+    return [math.inf] + sorted({float(torch.quantile(flat, q)) for q in QUANTILE_LEVELS}, reverse=True)
+
+
+def choose_compensation(candidates: list[float], grid, measure, alpha: float, num_layers: int) -> dict:
+    """Pick the compensation threshold on a split the certificate does not use.
+
+    For every candidate ``c`` the gate thresholds of ``grid(c)`` (strict to loose, ``1.0`` = never exit first) are
+    walked in order, as the fixed-sequence test walks them, while ``measure(c, thr)`` (``(mean loss, mean layers)``
+    on the split with the veto at ``c`` and the gates at ``thr``) stays ``<= alpha``; the candidate whose last
+    passing threshold runs the fewest layers per token wins, "off" on ties.
 
     Args:
-        gate_probs: ``[E, N]`` the gates' exit probabilities.
-        change: ``[E, N]`` :func:`relative_change` at the same positions.
-        losses: ``[E, N]`` the loss of exiting at each exit point (disagreement with the full model, or the NLL
-            increase), in the units of ``alpha``.
+        candidates: :func:`compensation_candidates` (``inf`` = off).
+        grid: ``c -> [thresholds]``.
+        measure: ``(c, thr) -> (mean loss, mean layers)``: on exact states (:func:`exact_state_measure`) or by
+            decoding the split with the bridge the certificate is about (the calibration pipeline).
         alpha: the target's allowed mean loss (``1 - target agreement``, or ``log1p(max perplexity increase)``).
 
     Returns:
-        ``{"threshold": c or None (off), "candidates": [{"threshold", "gate_threshold", "mean_layers"}, ...]}``;
-        per candidate the loosest gate threshold (of :func:`~laserlm.training.decoding.grid_thresholds`) whose mean
-        loss is ``<= alpha``, in order, stopping at the first that is not (as the fixed-sequence test does).
+        ``{"threshold": c or None (off), "candidates": [{"threshold", "gate_threshold", "mean_layers"}, ...]}``.
     """
-    depth = torch.tensor(list(exits) + [num_layers], dtype=torch.float64)
-    n = gate_probs.shape[1]
-    flat = change.flatten().double()
-    cands = [math.inf] + sorted({float(torch.quantile(flat, q)) for q in QUANTILE_LEVELS}, reverse=True)
     rows = []
-    for c in cands:
-        probs = vetoed(gate_probs, change, c) if math.isfinite(c) else gate_probs
+    for c in candidates:
         best_thr, best_layers = 1.0, float(num_layers)
-        for thr in grid_thresholds(probs)[1:]:
-            dec = exit_decisions(probs, thr)
-            loss = torch.where(dec < len(exits), losses[dec.clamp_max(len(exits) - 1), torch.arange(n)].double(),
-                               torch.zeros(n, dtype=torch.float64))
-            if float(loss.mean()) > alpha:
+        for thr in grid(c)[1:]:
+            loss, layers = measure(c, thr)
+            if loss > alpha:
                 break
-            best_thr, best_layers = thr, float(depth[dec].mean())
+            best_thr, best_layers = thr, layers
         rows.append({"threshold": c if math.isfinite(c) else None, "gate_threshold": best_thr,
                      "mean_layers": round(best_layers, 4)})
     best = min(rows, key=lambda r: (r["mean_layers"], r["threshold"] is not None))  # "off" wins ties
     return {"threshold": best["threshold"], "candidates": rows}
+
+
+def exact_state_measure(gate_probs: torch.Tensor, change: torch.Tensor, losses: torch.Tensor, exits: list[int],
+                        num_layers: int):
+    """``(grid, measure)`` for :func:`choose_compensation` on exact (teacher-forced, full-depth) states: the first
+    exit point where the vetoed gate probability ``> thr`` is taken.
+
+    Args:
+        gate_probs, change, losses: ``[E, N]``: the gates' probabilities, :func:`relative_change`, and the loss of
+            exiting at each exit point.
+    """
+    depth = torch.tensor(list(exits) + [num_layers], dtype=torch.float64)
+    n = gate_probs.shape[1]
+
+    def probs(c):
+        return vetoed(gate_probs, change, c) if math.isfinite(c) else gate_probs
+
+    def measure(c, thr):
+        dec = exit_decisions(probs(c), thr)
+        loss = torch.where(dec < len(exits), losses[dec.clamp_max(len(exits) - 1), torch.arange(n)].double(),
+                           torch.zeros(n, dtype=torch.float64))
+        return float(loss.mean()), float(depth[dec].mean())
+
+    return (lambda c: grid_thresholds(probs(c))), measure

@@ -41,7 +41,8 @@ from .predictor import (PredictorTrainConfig, certify_predictor, held_out_report
                         teacher_forced_probs, train_predictor)
 from .router import collect_router_data, train_router
 from .stages import Stage, StageRunner
-from .compensation import choose_compensation, relative_change, vetoed
+from .compensation import (choose_compensation, compensation_candidates, exact_state_measure, relative_change,
+                           vetoed)
 from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
 from .thresholds import (SHALLOW_MIN_EXITS, SHALLOW_SHARE, calibrate_threshold,  # noqa: F401  (re-exported)
                          candidate_thresholds, exit_decisions, fixed_sequence_test, position_losses, resolve_target,
@@ -483,24 +484,50 @@ def _predictor_thresholds(ctx):
 
 def _compensation(ctx, g_probs: torch.Tensor, g_count: torch.Tensor) -> float | None:
     """The compensation veto's threshold for this run (``None``: off): the configured value, or with ``auto`` the one
-    :func:`~laserlm.training.compensation.choose_compensation` picks on the gate split; the choice goes into
-    ``ctx["compensation_report"]``."""
-    cfg, exits = ctx["cfg"], ctx["exits"]
+    :func:`~laserlm.training.compensation.choose_compensation` picks on the gate split, measured on the decoding the
+    certificate is about (``propagate``: the gate split decoded for every pair tried; ``deferred``: exact states);
+    the choice goes into ``ctx["compensation_report"]``."""
+    cfg, exits, L = ctx["cfg"], ctx["exits"], ctx["L"]
     ctx["compensation_report"] = None
     if cfg.compensation == "off":
         return None
     if cfg.compensation != "auto":
         ctx["compensation_report"] = {"threshold": float(cfg.compensation), "chosen_on": "given"}
         return float(cfg.compensation)
-    g_out = ctx["g_out"]
+    g_out, split = ctx["g_out"], ctx["gate_split"]
     target, _ = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
-    if target["kind"] == "agreement":
-        losses = torch.stack([~g_out.agree[e] for e in exits]).double()
+    change = relative_change(split, exits)[:, g_count]
+    cands = compensation_candidates(change)
+    if cfg.bridge == "deferred":
+        if target["kind"] == "agreement":
+            losses = torch.stack([~g_out.agree[e] for e in exits]).double()
+        else:
+            losses = torch.stack([g_out.nll[e] for e in exits]).double() - g_out.full_nll.double()
+        grid, measure = exact_state_measure(g_probs, change, losses[:, g_count], exits, L)
+        where = "gate split (exact states)"
     else:
-        losses = torch.stack([g_out.nll[e] for e in exits]).double() - g_out.full_nll.double()
-    change = relative_change(ctx["gate_split"], exits)[:, g_count]
-    rep = choose_compensation(g_probs, change, losses[:, g_count], target["alpha"], exits, ctx["L"])
-    ctx["compensation_report"] = {**rep, "chosen_on": "gate split (exact states)"}
+        head_d, gate_d = {e: ctx["heads"][str(e)] for e in exits}, {e: ctx["gates"][str(e)] for e in exits}
+        seqs = chunk_sequences(ctx["tokens"], split, cfg.seq_len)
+
+        def decoder(c):
+            policy_at = None if not math.isfinite(c) else (lambda lam: AllOf([Compensation(c), GatePolicy(gate_d, lam)]))
+            return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, gate_d, ctx["ats_layer"], seqs, split,
+                                     g_out.full_nll, target["kind"], progress=ctx["progress"],
+                                     cache_file=ctx["work"] / "propagate_gate.pt", count=_counted(ctx, split),
+                                     patience=cfg.patience, policy_at=policy_at,
+                                     tag="" if not math.isfinite(c) else f"compensation={c!r}")
+
+        def grid(c):
+            return grid_thresholds(vetoed(g_probs, change, c) if math.isfinite(c) else g_probs)
+
+        def measure(c, thr):
+            dec = decoder(c)
+            losses, _ = dec(thr)
+            return float(losses.mean()), float(dec.last_layers.double().mean())
+
+        where = "gate split (propagate decoding)"
+    rep = choose_compensation(cands, grid, measure, target["alpha"], L)
+    ctx["compensation_report"] = {**rep, "chosen_on": where}
     _say("compensation: " + ("off (no veto saves layers on the gate split)" if rep["threshold"] is None else
                              f"veto exits whose relative change across the group exceeds {rep['threshold']:.4f}"),
          ctx["progress"])
@@ -525,7 +552,7 @@ STAGES = (
     Stage("router", _router, _load_router, after=("heads", "joint"), settings=_router_settings,
           when=lambda ctx: ctx["cfg"].router_prompts > 0),
     Stage("outputs", _outputs, _load_outputs, after=("collect", "heads", "gates", "joint"),
-          owns=("propagate_calib.pt", "propagate_held.pt")),
+          owns=("propagate_calib.pt", "propagate_held.pt", "propagate_gate.pt")),
     Stage("thresholds", _thresholds, after=("outputs",), settings=_threshold_settings, saves=False),
     Stage("predictor", _predictor, _load_predictor, after=("collect", "heads", "gates", "joint", "outputs"),
           settings=lambda ctx: asdict(ctx["cfg"].predictor_train), when=lambda ctx: ctx["cfg"].predictor,
