@@ -68,6 +68,8 @@ SCENARIOS = {
                      "onnxruntime export against the PyTorch engine", out_flag="--json"),
     "draft-head": Scenario("bench_draft_head.py", [], "cost of one token drafted by the shipped draft head",
                            out_flag=None),
+    "kv-prealloc": Scenario("bench_kv_prealloc.py", ["--data", f"{DATA}/wikitext-2/test.txt", "--rounds", "2"],
+                            "KV pool arena pre-allocated full vs staged: peak RSS and step latency", needs=["data"]),
     "load": Scenario("bench_load.py", ["--models", "smollm2-135m", "gemma3-270m"],
                      "load time and peak RSS, cold and warm"),
 }
