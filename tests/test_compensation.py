@@ -142,7 +142,8 @@ def test_calibrated_compensation_is_stored_and_run_from_the_laser_file(smol, tmp
     assert art.thresholds["compensation"] == 0.3 and s["compensation"]["threshold"] == 0.3
     mode = make_adaptive(lm.engine, laser=str(out))
     assert "change<=0.3" in mode.policy.describe() and "gate" in mode.policy.describe()
-    assert "change<=" not in make_adaptive(lm.engine, laser=str(out), policy="gate").policy.describe()
+    assert "change<=0.3" in make_adaptive(lm.engine, laser=str(out), policy="gate").policy.describe()  # its own policy
+    assert "change<=" not in make_adaptive(lm.engine, laser=str(out), policy="confidence").policy.describe()
     cfg.compensation = "auto"
     s2 = calibrate(lm, cfg, tmp_path / "d.safetensors", resume=True, progress=False, work_dir=tmp_path / "c.safetensors.work")
     rep = s2["compensation"]
@@ -150,5 +151,6 @@ def test_calibrated_compensation_is_stored_and_run_from_the_laser_file(smol, tmp
     assert (tmp_path / "c.safetensors.work" / "propagate_gate.pt").is_file()  # owned by the outputs stage
     art2 = load_laser_file(tmp_path / "d.safetensors", lm.engine)
     assert art2.thresholds.get("compensation") == rep["threshold"]
-    with pytest.raises(Exception, match="compensation must be"):
-        CalibrateConfig(compensation="sometimes").validate()
+    for bad in ("sometimes", 1e-12, "inf"):
+        with pytest.raises(Exception, match="compensation must be"):
+            CalibrateConfig(compensation=bad).validate()

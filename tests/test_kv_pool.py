@@ -382,3 +382,29 @@ def test_staged_pool_doubles_up_to_the_budget_and_keeps_the_pages():
     pool.check()  # every page free again, none past the budget
     with pytest.raises(InvalidArgumentError, match="pre-allocation must be one of"):
         KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=10, prealloc="lazy")
+
+
+def test_staged_pool_reuses_cached_prefix_pages_before_growing_and_survives_a_failed_growth(monkeypatch):
+    pool = KVPool(num_layers=1, num_kv_heads=1, head_dim=4, num_pages=10, page_size=2, prealloc="staged",
+                  first_pages=2)
+    a, b = pool.allocate(), pool.allocate()
+    pool.register(("prefix", 0), a)
+    pool.release(a)  # cached (registered, unreferenced)
+    pool.release(b)  # free
+    assert pool.allocate() == b and pool.allocate() == a  # the cached page is reused: the arena follows the load
+    assert pool.capacity == 2 and pool.stats["arena_growths"] == 0 and pool.stats["cached_pages_reused"] == 1
+    calls = []
+    real = torch.zeros
+
+    def failing(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, "zeros", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pool.allocate()
+    monkeypatch.setattr(torch, "zeros", real)
+    assert pool.k.shape == pool.v.shape == (1, 3, 2, 4) and pool.capacity == 2  # unchanged by the failed growth
+    assert pool.allocate() == 3 and pool.capacity == 4 and pool.k.shape == pool.v.shape == (1, 5, 2, 4)

@@ -67,6 +67,11 @@ def test_round_trip_keeps_every_part_and_states_the_bridge(tmp_path):
     assert back.path == path and back.mode_spec() == f"adaptive:laser={path},bridge=propagate,patience=3"
     back.config["patience"] = 0
     assert back.mode_spec() == f"adaptive:laser={path},bridge=propagate,patience=0"
+    for bad in (None, "two", -1):  # a damaged config is a clear error, not a TypeError
+        back.config["patience"] = bad
+        with pytest.raises(CorruptModelError, match="patience must be a non-negative integer"):
+            back.patience  # noqa: B018
+    back.config["patience"] = 0
     meta = json.loads(path.with_suffix(".json").read_text())
     assert meta["format_version"] == FORMAT_VERSION and meta["weights_sha256"] == weights_sha256(eng.model)
     assert not (tmp_path / "a.laser.tmp").exists()

@@ -136,9 +136,10 @@ def adaptive_settings(o: AdaptiveOptions, art, num_layers: int, vocab_size: int)
         ats_threshold=o.ats_threshold,
         gate_threshold=_given(o.gate_threshold, file_thr.get("gate_threshold")),
         combine=o.combine,
-        # a laser file's veto belongs to the policy it was certified with (the file's own; another policy= runs
-        # without it unless compensation= is given)
-        compensation=_given(o.compensation, file_thr.get("compensation") if o.policy is None else None),
+        # a laser file's veto belongs to the policy it was certified with (the file's own, named or not; another
+        # policy= runs without it unless compensation= is given)
+        compensation=_given(o.compensation, file_thr.get("compensation")
+                            if o.policy is None or o.policy == file_cfg.get("policy") else None),
         gates=art.gates if art else None,
         vocab_size=vocab_size,
         predictor=art.predictor if art else None,

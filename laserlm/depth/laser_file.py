@@ -34,6 +34,7 @@ from pathlib import Path
 
 
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
+from ..runtime.options import is_int
 from ..models.files import write_safetensors
 from ..models.weights_hash import weights_sha256
 from .heads import ExitGate, ExitHead
@@ -78,7 +79,10 @@ class LaserArtifact:
     def patience(self) -> int:
         """``k`` of the patience rule the thresholds were certified with (every calibrated file says; a file that
         does not gets the adaptive mode's default, 3)."""
-        return int(self.config.get("patience", 3))
+        value = self.config.get("patience", 3)
+        if not is_int(value) or value < 0:
+            raise CorruptModelError(f"laser file {self.path}: patience must be a non-negative integer, got {value!r}")
+        return value
 
     def mode_spec(self, bridge: str | None = None) -> str:
         """Mode spec running the calibrated policy: ``adaptive:laser=PATH,bridge=...,patience=K`` (the file's);

@@ -11,8 +11,9 @@ One key and one value arena, ``[n_kv_heads, capacity + 1, page_size, head_dim]``
 sized by a budget in MiB or tokens). With ``prealloc="full"`` (the default) the arena holds the whole budget from the
 start (``capacity == num_pages``). With ``prealloc="staged"`` (seed 004 §3.2, progressive pre-allocation) it starts
 at :data:`STAGED_FIRST_PAGES` pages (or the budget, if smaller) and doubles, up to the budget, when a page is
-needed and none is free: a step allocates the larger arena and copies the pages in use (page numbers do not change,
-so no table is rewritten). Admission counts the budget, not the arena, so a staged pool admits exactly the requests
+needed and none is free or cached (cached prefix pages are reused first, so the arena follows the live load, not the
+traffic so far): a step allocates the larger arena and copies the pages in use (page numbers do not change, so no
+table is rewritten). Admission counts the budget, not the arena, so a staged pool admits exactly the requests
 a full one does; memory follows the load. A growth holds both arenas for the copy (at most 1.5x the budget for that
 moment). A *page* holds ``page_size`` consecutive
 positions of **one** decoder layer; page 0 is the null page (never handed out; padding of batched gathers).
@@ -252,8 +253,8 @@ class KVPool:
         Raises:
             PoolFullError: every page is referenced.
         """
-        if not self._free and self.capacity < self.num_pages:  # staged: grow before dropping cached prefixes
-            self._grow()
+        if not self._free and not self._cached and self.capacity < self.num_pages:  # staged: grow only when the
+            self._grow()  # arena is full of live pages (cached prefixes are reused first, so memory follows the load)
         if self._free:
             page = heapq.heappop(self._free)
         elif self._cached:
@@ -269,12 +270,12 @@ class KVPool:
     def _grow(self) -> None:
         """Staged pre-allocation's step: double the arena (up to the budget), copying the pages it holds."""
         new = min(self.num_pages, 2 * self.capacity)
+        shape = (self.num_kv_heads, new + 1, self.page_size, self.head_dim)
         with torch.inference_mode(False):  # growing inside a forward: the arena must stay a normal tensor (compaction
-            for name in ("k", "v"):        # and copy-on-write write into it between steps)
-                old = getattr(self, name)
-                arena = torch.zeros((self.num_kv_heads, new + 1, self.page_size, self.head_dim), dtype=self.dtype)
-                arena[:, :self.capacity + 1].copy_(old)
-                setattr(self, name, arena)
+            k, v = torch.zeros(shape, dtype=self.dtype), torch.zeros(shape, dtype=self.dtype)  # and copy-on-write
+            k[:, :self.capacity + 1].copy_(self.k)  # write into it between steps); both allocated before either is
+            v[:, :self.capacity + 1].copy_(self.v)  # replaced, so a failed allocation leaves the pool as it was
+        self.k, self.v = k, v
         for p in range(self.capacity + 1, new + 1):
             heapq.heappush(self._free, p)
         self.capacity = new

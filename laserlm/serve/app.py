@@ -61,7 +61,7 @@ class ServerSettings:
         allowed_modes: further mode specs a request may name in its ``mode`` field (all built at startup).
         lora: a LoRA delta file merged into the weights at load (``--lora``; the CLI fills it from the laser file).
         weights, prefill_dtype, dtype, ctx_size, threads: as ``laserlm generate``.
-        kv_budget, max_batch, max_queue, page_size, prefill_chunk, eviction, prefix_cache: the KV pool and
+        kv_budget, max_batch, max_queue, page_size, prefill_chunk, eviction, prefix_cache, kv_prealloc: the KV pool and
             scheduler (:class:`~laserlm.runtime.scheduler.BatchConfig`).
         api_key: when set, ``/v1`` requests need ``Authorization: Bearer <api_key>``.
         default_max_tokens: chat requests without ``max_tokens`` generate at most this many tokens (and the room

@@ -117,7 +117,7 @@ class CalibrateConfig:
                 c = float(self.compensation)
             except (TypeError, ValueError):
                 c = float("nan")
-            if not c > 0 or c == float("inf"):
+            if not c >= 1e-9 or c == float("inf"):  # the veto's own range (depth.policies.Compensation)
                 raise InvalidArgumentError(f"compensation must be 'off', 'auto' or a relative change > 0, got "
                                            f"{self.compensation!r}")
             self.compensation = c
@@ -786,6 +786,9 @@ def format_summary(s: dict) -> str:
                      f"  {r['exit_fraction']:>11.1%}")
     c, h = s["calibration"], s["held_out"]
     lines.append(f"  guarantee: {c['guarantee']}")
+    comp = (s.get("compensation") or {}).get("threshold")
+    lines.append(f"  certified with: patience {s['settings'].get('patience', 0)}, compensation veto "
+                 + ("off" if comp is None else f"relative change <= {comp:.4g} ({s['compensation']['chosen_on']})"))
     lines.append(f"  calibration split: risk {c['risk']:.4f} over {c['n']} positions, {c['tested']} thresholds tested")
     measured = (f"agreement {h['agreement']:.4f}" if "agreement" in h else f"perplexity increase {h['ppl_increase']:.2%}")
     lines.append(f"  held-out split ({h['positions']} positions, patience {h.get('patience', 0)}): {measured}, "
