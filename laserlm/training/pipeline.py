@@ -340,9 +340,10 @@ def _thresholds(ctx):
     g_probs = gate_probabilities(gates, ctx["gate_split"].hidden, g_out.scalars, exits)[:, g_count]
     ctx["h_probs"] = gate_probabilities(gates, held.hidden, after.scalars, exits)
     ctx["h_count"] = h_count
-    comp = _compensation(ctx, g_probs, g_count)  # None: no veto
+    g_change = relative_change(ctx["gate_split"], exits)[:, g_count] if cfg.compensation != "off" else None
+    comp = _compensation(ctx, g_probs, g_count, g_change)  # None: no veto
     if comp is not None:
-        g_probs = vetoed(g_probs, relative_change(ctx["gate_split"], exits)[:, g_count], comp)
+        g_probs = vetoed(g_probs, g_change, comp)
     if cfg.bridge == "deferred":  # exact hidden states: replay the decisions on the collected states
         c_probs = gate_probabilities(gates, calib.hidden, c_out.scalars, exits)
         h_probs = ctx["h_probs"]
@@ -363,14 +364,13 @@ def _thresholds(ctx):
         target, method = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
         head_d, gate_d = {e: ctx["heads"][str(e)] for e in exits}, {e: gates[str(e)] for e in exits}
         progress = ctx["progress"]
-        policy_at = None if comp is None else (lambda lam: AllOf([Compensation(comp), GatePolicy(gate_d, lam)]))
+        policy_at, tag = _vetoed_gates(gate_d, comp)
 
         def decoder(split, outputs, name, count):
             return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, gate_d, ctx["ats_layer"],
                                      chunk_sequences(ctx["tokens"], split, cfg.seq_len), split, outputs.full_nll, kind,
                                      progress=progress, cache_file=ctx["work"] / f"propagate_{name}.pt", count=count,
-                                     patience=cfg.patience, policy_at=policy_at,
-                                     tag="" if comp is None else f"compensation={comp!r}")
+                                     patience=cfg.patience, policy_at=policy_at, tag=tag)
 
         def report(entry):
             _say(f"threshold {entry['threshold']:.4f}: risk {entry['risk']:.4f}, p-value {entry['p_value']:.3g}, "
@@ -482,11 +482,20 @@ def _predictor_thresholds(ctx):
         "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _compensation(ctx, g_probs: torch.Tensor, g_count: torch.Tensor) -> float | None:
+def _vetoed_gates(gate_d: dict, comp: float | None):
+    """``(policy_at, memo tag)`` for :class:`PropagateDecoding`: the gates under the compensation veto ``comp``, or
+    ``(None, "")`` (the gates alone) when ``comp`` is ``None`` or infinite (no veto)."""
+    if comp is None or not math.isfinite(comp):
+        return None, ""
+    return (lambda lam: AllOf([Compensation(comp), GatePolicy(gate_d, lam)])), f"compensation={comp!r}"
+
+
+def _compensation(ctx, g_probs: torch.Tensor, g_count: torch.Tensor, change: torch.Tensor | None) -> float | None:
     """The compensation veto's threshold for this run (``None``: off): the configured value, or with ``auto`` the one
     :func:`~laserlm.training.compensation.choose_compensation` picks on the gate split, measured on the decoding the
     certificate is about (``propagate``: the gate split decoded for every pair tried; ``deferred``: exact states);
-    the choice goes into ``ctx["compensation_report"]``."""
+    the choice goes into ``ctx["compensation_report"]``. ``change``: :func:`relative_change` on the gate split's
+    counted positions (``None`` when the veto is off)."""
     cfg, exits, L = ctx["cfg"], ctx["exits"], ctx["L"]
     ctx["compensation_report"] = None
     if cfg.compensation == "off":
@@ -496,7 +505,6 @@ def _compensation(ctx, g_probs: torch.Tensor, g_count: torch.Tensor) -> float | 
         return float(cfg.compensation)
     g_out, split = ctx["g_out"], ctx["gate_split"]
     target, _ = resolve_target(cfg.target_agreement, cfg.max_ppl_increase, cfg.delta, cfg.p_value)
-    change = relative_change(split, exits)[:, g_count]
     cands = compensation_candidates(change)
     if cfg.bridge == "deferred":
         if target["kind"] == "agreement":
@@ -508,14 +516,17 @@ def _compensation(ctx, g_probs: torch.Tensor, g_count: torch.Tensor) -> float | 
     else:
         head_d, gate_d = {e: ctx["heads"][str(e)] for e in exits}, {e: ctx["gates"][str(e)] for e in exits}
         seqs = chunk_sequences(ctx["tokens"], split, cfg.seq_len)
+        decoders = {}  # one per candidate, built when first measured (candidates are measured one after another)
 
         def decoder(c):
-            policy_at = None if not math.isfinite(c) else (lambda lam: AllOf([Compensation(c), GatePolicy(gate_d, lam)]))
-            return PropagateDecoding(ctx["engine"], ctx["groups"], head_d, gate_d, ctx["ats_layer"], seqs, split,
-                                     g_out.full_nll, target["kind"], progress=ctx["progress"],
-                                     cache_file=ctx["work"] / "propagate_gate.pt", count=_counted(ctx, split),
-                                     patience=cfg.patience, policy_at=policy_at,
-                                     tag="" if not math.isfinite(c) else f"compensation={c!r}")
+            if c not in decoders:
+                policy_at, tag = _vetoed_gates(gate_d, c)
+                decoders[c] = PropagateDecoding(ctx["engine"], ctx["groups"], head_d, gate_d, ctx["ats_layer"], seqs,
+                                                split, g_out.full_nll, target["kind"], progress=ctx["progress"],
+                                                cache_file=ctx["work"] / "propagate_gate.pt",
+                                                count=_counted(ctx, split), patience=cfg.patience,
+                                                policy_at=policy_at, tag=tag)
+            return decoders[c]
 
         def grid(c):
             return grid_thresholds(vetoed(g_probs, change, c) if math.isfinite(c) else g_probs)
