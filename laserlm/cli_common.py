@@ -276,15 +276,15 @@ def check_output_path(path: str | None, flag: str) -> None:
 
 def laser_mode_spec(mode: str, laser: str) -> str:
     """``--laser PATH``: ``full`` becomes ``adaptive:laser=PATH`` (the file's bridge and patience: the settings the
-    calibration's guarantee is about); an ``adaptive`` or ``speculative`` spec gets ``laser=PATH`` added (speculative drafts
-    with the file's exit head); other modes are an error."""
+    calibration's guarantee is about); an ``adaptive``, ``routed`` or ``speculative`` spec gets ``laser=PATH`` added
+    (``routed`` runs the file's router, speculative drafts with the file's exit head); other modes are an error."""
     if not str(laser).strip():
         raise LaserLMError("--laser needs the path of a laser file (from `laserlm calibrate`)")
     name, _, rest = mode.partition(":")
     if name == "full" and not rest:
         return f"adaptive:laser={laser}"
-    if name not in ("adaptive", "speculative"):
-        raise LaserLMError(f"--laser works with the adaptive mode and the speculative mode, not '{name}'")
+    if name not in ("adaptive", "routed", "speculative"):
+        raise LaserLMError(f"--laser works with the adaptive, routed and speculative modes, not '{name}'")
     return f"{name}:{rest},laser={laser}" if rest else f"{name}:laser={laser}"
 
 

@@ -13,7 +13,7 @@ The rule
 **adaptive.** A spec *names its exit rule* when it has any of :data:`ADAPTIVE_RULE_OPTIONS` (``laser``,
 ``policy``, ``threshold``, ``gate_threshold``, ``saturation_threshold``, ``ats_threshold``); it then runs as
 written. Otherwise (``adaptive``, or only the options of :data:`ADAPTIVE_PASS_THROUGH`: ``bridge``,
-``patience``, ``router``, ``score``):
+``patience``, ``score``):
 
 - on a **bundled** model (:data:`laserlm.models.registry.BUNDLED`, loaded by its bundled name) it becomes
   ``adaptive:laser=<cached artifact>[,those options]``: the artifact is what
@@ -69,7 +69,7 @@ from pathlib import Path
 from .errors import InvalidArgumentError
 
 ADAPTIVE_RULE_OPTIONS = ("laser", "policy", "threshold", "gate_threshold", "saturation_threshold", "ats_threshold")
-ADAPTIVE_PASS_THROUGH = ("bridge", "patience", "router", "score")
+ADAPTIVE_PASS_THROUGH = ("bridge", "patience", "score")
 SPECULATIVE_RULE_OPTIONS = ("draft_layers", "k", "threshold", "auto", "laser", "draft")
 SPECULATIVE_PASS_THROUGH = ("reuse",)
 DEFAULTS_DIR = "defaults"  # under the cache root (laserlm.models.loader.cache_root)

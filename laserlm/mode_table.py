@@ -10,6 +10,7 @@ this module sits above the runtime and the modes and maps names to factories ``f
 | ``adaptive`` | :func:`laserlm.depth.make_adaptive` | :mod:`laserlm.depth` |
 | ``static`` | :func:`laserlm.depth.make_static` | :mod:`laserlm.depth` |
 | ``early-exit`` | :func:`laserlm.depth.make_early_exit` | :mod:`laserlm.depth` |
+| ``routed`` | :func:`laserlm.depth.make_routed` | :mod:`laserlm.depth` |
 | ``speculative`` | :func:`laserlm.speculative.make_speculative` | :mod:`laserlm.speculative` |
 
 On the onnxruntime engine (:class:`~laserlm.runtime.ort_engine.OnnxEngine`) the table is :data:`ONNX_MODES`:
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .depth import make_adaptive, make_early_exit, make_static
+from .depth import make_adaptive, make_early_exit, make_routed, make_static
 from .depth.ort import make_adaptive_onnx
 from .errors import InvalidArgumentError
 from .runtime.modes import Mode, FullDepth, parse_spec
@@ -49,6 +50,7 @@ MODES: dict[str, Callable] = {
     "adaptive": make_adaptive,
     "static": make_static,
     "early-exit": make_early_exit,
+    "routed": make_routed,
     "speculative": make_speculative,
 }
 

@@ -16,7 +16,7 @@ from tests.helpers import run_cli
 
 # -- the rule ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spec, kind", [
-    ("adaptive", "adaptive"), ("adaptive:bridge=deferred", "adaptive"), ("adaptive:patience=0,router=1", "adaptive"),
+    ("adaptive", "adaptive"), ("adaptive:bridge=deferred", "adaptive"), ("adaptive:patience=0,score=decode", "adaptive"),
     ("adaptive:score=replay", "adaptive"),
     ("adaptive:threshold=0.9", None), ("adaptive:policy=saturation", None), ("adaptive:laser=a.st", None),
     ("adaptive:gate_threshold=0.5,laser=a.st", None), ("adaptive:ats_threshold=0.7", None),

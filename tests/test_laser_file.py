@@ -10,7 +10,7 @@ import torch
 from laserlm.depth.heads import ExitGate, ExitHead
 from laserlm.depth.laser_file import (DEFAULT_BRIDGE, FORMAT_VERSION, LaserArtifact, load_laser_file,
                                       save_laser_file)
-from laserlm.depth.router import DynamicRouter
+from laserlm.depth.router import DynamicRouter, Route
 from laserlm.errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError
 from laserlm.models.weights_hash import ATTRIBUTE, compute_weights_sha256, forget_weights_sha256, weights_sha256
 from laserlm.runtime.engine import Engine
@@ -29,7 +29,7 @@ def _artifact(d=64):
     torch.manual_seed(1)
     head = ExitHead(Engine(tiny(), max_seq_len=16).adapter, "lowrank", rank=4)
     gate = ExitGate(d, features="state")
-    router = DynamicRouter(d, [2])
+    router = DynamicRouter(d, [Route((0, 1), 2), Route((0, 1, 3)), Route((0, 1, 2, 3))], confidence=0.8)
     with torch.no_grad():
         for m in (head, gate, router):
             for p in m.parameters():
@@ -61,7 +61,8 @@ def test_round_trip_keeps_every_part_and_states_the_bridge(tmp_path):
         assert torch.equal(back.heads[2](h), art.heads[2](h))
         assert torch.equal(back.gates[2](h, s), art.gates[2](h, s))
         assert torch.equal(back.router(h), art.router(h))
-    assert back.router.exit_points == [2] and back.thresholds == {"gate_threshold": 0.7}
+    assert back.router.routes == art.router.routes and back.router.confidence == 0.8
+    assert back.router.position == "last" and back.thresholds == {"gate_threshold": 0.7}
     assert back.config["groups"] == "2" and back.bridge == DEFAULT_BRIDGE == "propagate"
     # the file states no patience: the adaptive mode's default; a stated one (what calibrate certified) is kept
     assert back.path == path and back.mode_spec() == f"adaptive:laser={path},bridge=propagate,patience=3"

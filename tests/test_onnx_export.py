@@ -238,7 +238,7 @@ def test_an_export_is_refused_where_laserlm_s_engine_is_needed(tiny_llama_export
     ("adaptive:policy=confidence+ats", "attention transition"),
     ("speculative:draft_layers=4", "modes 'full' and 'adaptive'"),
     ("adaptive:groups=4", "differ from the exported layer groups"),
-    ("adaptive:router=1", "router"),
+    ("routed:laser=x.st", "modes 'full' and 'adaptive'"),
     ("static:skip=2-3", "modes 'full' and 'adaptive'"),
 ])
 def test_unsupported_settings_are_refused(tiny_laser_export, spec, match):

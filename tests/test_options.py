@@ -11,7 +11,7 @@ import pytest
 
 from laserlm.attention.kernel import parse_attention
 from laserlm.attention.selection import SparseConfig
-from laserlm.depth import AdaptiveOptions, StaticOptions
+from laserlm.depth import AdaptiveOptions, RoutedOptions, StaticOptions
 from laserlm.errors import InvalidArgumentError
 from laserlm.runtime.modes import parse_spec
 from laserlm.runtime.options import from_spec
@@ -125,9 +125,10 @@ def test_a_class_can_word_its_messages():
 
 # -- the option dataclasses of the modes and of sparse attention -------------------------------------
 def test_mode_option_classes():
-    a = from_spec(AdaptiveOptions, parse_spec("adaptive:threshold=0.9,patience=2,router=yes,groups=0-3/4-7")[1],
-                  "adaptive")
-    assert (a.threshold, a.patience, a.router, a.groups, a.policy) == (0.9, 2, True, "0-3/4-7", None)
+    a = from_spec(AdaptiveOptions, parse_spec("adaptive:threshold=0.9,patience=2,groups=0-3/4-7")[1], "adaptive")
+    assert (a.threshold, a.patience, a.groups, a.policy) == (0.9, 2, "0-3/4-7", None)
+    r = from_spec(RoutedOptions, parse_spec("routed:laser=a.st,confidence=0.5")[1], "routed")
+    assert (r.laser, r.confidence) == ("a.st", 0.5)
     with pytest.raises(InvalidArgumentError, match="unknown option.*for mode 'adaptive': colour; known: groups, "):
         from_spec(AdaptiveOptions, {"colour": "red"}, "adaptive")
     assert from_spec(StaticOptions, {"drop": "12/13/14"}, "static").drop == [12, 13, 14]

@@ -6,12 +6,13 @@ Its three decoding-mode factories (named in :mod:`laserlm.mode_table`):
 - ``adaptive:groups=5,policy=confidence,threshold=0.9,measure=max,min_depth=8,patience=3,bridge=propagate``
   (other options: ``saturation_threshold``, ``ats_threshold``, ``ats_layer``, ``gate_threshold``,
   ``combine=all|any``, ``compensation=MAX_CHANGE``, ``laser=PATH`` for trained heads/gates,
-  ``score=decode|replay`` for evaluation, ``router=1`` to let the file's sequence-level router cap the depth of
-  each request), ``policy=predictor`` (the laser file's pre-layer complexity predictor, ``predictor_threshold``);
+  ``score=decode|replay`` for evaluation), ``policy=predictor`` (the laser file's pre-layer complexity predictor, ``predictor_threshold``);
   policies join with ``+`` (``policy=confidence+ats``, ``policy=predictor+gate``);
 - ``static:layers=K`` (keep K layers, drop the lowest Block Influence ones, ``calib=PATH`` text) or
   ``static:drop=12/13/14``;
-- ``early-exit:layer=N`` (every token stops after N layers; ``laser=PATH`` for a trained head).
+- ``early-exit:layer=N`` (every token stops after N layers; ``laser=PATH`` for a trained head);
+- ``routed:laser=PATH`` (seed 004's router: each request runs the layers of the route its layer-1 state picks,
+  skipping middle layers or stopping at an exit head; ``confidence=P`` overrides the certified threshold).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from .laser_file import DEFAULT_BRIDGE, LaserArtifact, load_laser_file, save_las
 from .policies import (AllOf, AnyOf, AttentionTransition, BatchPoint, Compensation, Confidence, ExitPolicy,
                        GatePolicy, Never, Saturation, make_policy)
 from .pruning import LayerSubset, block_influence, pruned_layers
-from .router import DynamicRouter
+from .router import DynamicRouter, Route, RoutedDepth
 from .adaptive import AdaptiveDepth
 
 __all__ = ["AdaptiveDepth", "AdaptiveOptions", "AllOf", "AnyOf", "AttentionTransition", "BRIDGES", "Compensation",
            "Confidence", "BatchPoint", "DEFAULT_BRIDGE", "DynamicRouter", "EarlyExitOptions", "ExitGate", "ExitHead",
-           "ExitPolicy", "GatePolicy", "LaserArtifact", "LayerGroups", "LayerSubset", "Never", "Saturation",
-           "StaticOptions", "adaptive_settings", "block_influence", "default_min_depth", "gate_scalars_batch", "load_laser_file",
-           "make_adaptive", "make_bridge", "make_early_exit", "make_groups", "make_policy", "make_static", "project_kv",
+           "ExitPolicy", "GatePolicy", "LaserArtifact", "LayerGroups", "LayerSubset", "Never", "Route", "RoutedDepth",
+           "RoutedOptions", "Saturation", "StaticOptions", "adaptive_settings", "block_influence", "default_min_depth", "gate_scalars_batch", "load_laser_file",
+           "make_adaptive", "make_bridge", "make_early_exit", "make_groups", "make_policy", "make_routed", "make_static", "project_kv",
            "pruned_layers", "save_laser_file"]
 
 
@@ -66,7 +67,6 @@ class AdaptiveOptions(_ModeOptions):
     compensation: Optional[float] = None
     laser: Optional[str] = None
     score: Optional[str] = None
-    router: bool = field(default=False, metadata={"expect": "0 or 1"})
 
 
 def _layer_indices(value):
@@ -94,6 +94,14 @@ class EarlyExitOptions(_ModeOptions):
 
     layer: Optional[int] = None
     laser: Optional[str] = None
+
+
+@dataclass
+class RoutedOptions(_ModeOptions):
+    """Options of mode ``routed``: ``laser=PATH`` (a laser file with a router) and an optional ``confidence``."""
+
+    laser: Optional[str] = None
+    confidence: Optional[float] = None
 
 
 ADAPTIVE_OPTIONS = ", ".join(f.name for f in fields(AdaptiveOptions))
@@ -168,14 +176,26 @@ def make_adaptive(engine, **opts) -> AdaptiveDepth:
         art = load_laser_file(laser_path, engine)
     L = engine.num_layers
     groups, policy, bridge, patience, ats_layer = adaptive_settings(o, art, L, engine.config.vocab_size)
-    router = None
-    if o.router:
-        if art is None or art.router is None:
-            raise InvalidArgumentError("router=1 needs a laser file with a trained router (laser=PATH from "
-                                       "`laserlm calibrate` with --router-prompts > 0)")
-        router = art.router
     return AdaptiveDepth(engine, groups, policy, make_bridge(bridge), patience=patience,
-                         heads=art.heads if art else None, ats_layer=ats_layer, score=o.score, router=router)
+                         heads=art.heads if art else None, ats_layer=ats_layer, score=o.score)
+
+
+def make_routed(engine, **opts) -> RoutedDepth:
+    """Factory of mode ``routed`` (:class:`RoutedOptions`): the laser file's router and, for its cap routes, its
+    exit heads.
+
+    Raises:
+        InvalidArgumentError: no ``laser=``, a file without a router (or with an older one), a confidence outside
+            [0, 1].
+    """
+    o = from_spec(RoutedOptions, opts, "routed")
+    if o.laser is None:
+        raise InvalidArgumentError("mode 'routed' needs laser=PATH: a laser file with a router "
+                                   "(`laserlm calibrate` with --router-prompts > 0)")
+    art = load_laser_file(o.laser, engine)
+    if art.router is None:
+        raise InvalidArgumentError(art.router_note or f"{o.laser} has no router; calibrate with --router-prompts > 0")
+    return RoutedDepth(engine, art.router, art.heads, o.confidence)
 
 
 def make_static(engine, **opts) -> LayerSubset:

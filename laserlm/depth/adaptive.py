@@ -42,16 +42,12 @@ from .stats import summarize_events
 from .walk import PatienceState, WalkResult, update_patience, walk_groups
 from ..runtime.options import is_int
 
-ROUTER_PROMPT = 64  # tokens the router sees when scoring a sequence teacher-forced (calibration's prompt length)
-
-
 @dataclass
 class DepthState:
     """Per-request state of adaptive depth (kept in ``Request.state``).
 
     Attributes:
         patience: the patience streak / lock.
-        route_layer: the router's depth cap for this request in layers (L: none).
         pending: the deferred bridge's token whose remaining layers run with the next token.
         valid: the ``none`` bridge's key masks, ``layer -> [max_len]`` bool (False: a skipped slot).
         prev_probs: the previous token's attention probabilities ``[H, S]`` at the ATS layer.
@@ -61,7 +57,6 @@ class DepthState:
     """
 
     patience: PatienceState
-    route_layer: int
     pending: PendingToken | None = None
     valid: dict = field(default_factory=dict)
     prev_probs: torch.Tensor | None = None
@@ -83,11 +78,6 @@ class AdaptiveDepth(Mode):
         ats_layer: layer where the ATS is measured (only when the policy needs it).
         score: how :meth:`score` runs: ``"decode"`` (token by token, any bridge) or ``"replay"`` (batched, exact
             only for ``deferred``; the default there).
-        router: optional sequence-level router (seed 004's DynamicRouter, ``route(engine, prompt_ids) -> layers``):
-            at prefill it picks a depth for the whole request from the prompt's first-layer hidden states; every
-            generated token then stops at that exit point at the latest (earlier exit points still ask the
-            policy). For teacher-forced :meth:`score` the route is chosen from the first ``ROUTER_PROMPT``
-            tokens of the sequence.
 
     The mode is a stateless config; per-request state (:class:`DepthState`) lives in ``request.state``.
 
@@ -99,10 +89,8 @@ class AdaptiveDepth(Mode):
     prefill_key = "full"  # the prompt runs at full depth (exits start with the first generated token)
 
     def __init__(self, engine, groups: LayerGroups, policy: ExitPolicy, bridge="propagate", patience: int = 3,
-                 heads: dict | None = None, ats_layer: int | None = None, score: str | None = None,
-                 router=None):
+                 heads: dict | None = None, ats_layer: int | None = None, score: str | None = None):
         self.groups = groups
-        self.router = router
         self.policy = policy
         self.bridge: Bridge = make_bridge(bridge) if isinstance(bridge, str) else bridge
         if not is_int(patience) or patience < 0:
@@ -124,22 +112,17 @@ class AdaptiveDepth(Mode):
         if self.predictor is not None and not set(self.predictor.exit_points) <= {b for _, b in groups.bounds}:
             raise InvalidArgumentError(f"the complexity predictor's exit points {self.predictor.exit_points} are not "
                                        f"group boundaries of {groups.describe()} (keep the laser file's groups)")
-        if router is not None and router.exit_points != [b for _, b in groups.bounds if b in router.exit_points]:
-            raise InvalidArgumentError(f"the router's exit points {router.exit_points} are not group boundaries of "
-                                       f"{groups.describe()}")
         if score is None:
-            score = "replay" if isinstance(self.bridge, DeferredBridge) and router is None else "decode"
+            score = "replay" if isinstance(self.bridge, DeferredBridge) else "decode"
         if score not in ("decode", "replay"):
             raise InvalidArgumentError(f"score must be 'decode' or 'replay', got '{score}'")
-        if score == "replay" and (not isinstance(self.bridge, DeferredBridge) or router is not None):
-            raise InvalidArgumentError("score=replay is exact only for bridge=deferred without a router; "
-                                       "use score=decode")
+        if score == "replay" and not isinstance(self.bridge, DeferredBridge):
+            raise InvalidArgumentError("score=replay is exact only for bridge=deferred; use score=decode")
         self.score_method = score
 
     def describe(self) -> str:
         return (f"adaptive(groups={self.groups.describe()}, min_depth={self.groups.min_depth}, "
-                f"policy={self.policy.describe()}, bridge={self.bridge.name}, patience={self.patience}"
-                f"{', router' if self.router is not None else ''})")
+                f"policy={self.policy.describe()}, bridge={self.bridge.name}, patience={self.patience})")
 
     # -- helpers ---------------------------------------------------------------------------------
     def head_at(self, engine, layer: int):
@@ -181,21 +164,20 @@ class AdaptiveDepth(Mode):
             rs.prev_exit = exit_layer / engine.num_layers
 
     def _walk(self, engine, run_group, rs: DepthState, final_head=None, head_at=None, predicted=None):
-        """One token's walk (a batch of one) under the request's patience lock and route."""
+        """One token's walk (a batch of one) under the request's patience lock."""
         locked = torch.tensor([-1 if rs.patience.locked is None else rs.patience.locked])
         return walk_groups(self.groups, self.policy, head_at or (lambda b: self.head_at(engine, b)),
-                           final_head or engine.head, 1, run_group, locked=locked,
-                           route=torch.tensor([rs.route_layer]), predicted=predicted)
+                           final_head or engine.head, 1, run_group, locked=locked, predicted=predicted)
 
     def _planned_exit(self, rs: DepthState, predicted: torch.Tensor | None) -> int | None:
         """The exit group of a token whose route is known before its first layer, or ``None`` when the walk must
-        decide group by group (a patience lock or a router cap applies, or a rule reads the token's own states).
+        decide group by group (a patience lock applies, or a rule reads the token's own states).
         Known routes: a policy that can never exit (:attr:`ExitPolicy.never_exits`, e.g. a certified threshold of
         1.0) runs full depth; the complexity predictor alone fixes the route by the walk's rule: the first group at
         or above min depth whose end is one of its exit points with probability ``> threshold``; the last group =
         full depth."""
         L, bounds = self.groups.num_layers, self.groups.bounds
-        if rs.patience.locked is not None or rs.route_layer < L:
+        if rs.patience.locked is not None:
             return None
         if getattr(self.policy, "never_exits", False):
             return len(bounds) - 1
@@ -225,17 +207,15 @@ class AdaptiveDepth(Mode):
 
     # -- per request -----------------------------------------------------------------------------
     def new_state(self, engine, request=None) -> DepthState:
-        return DepthState(PatienceState(), engine.num_layers)
+        return DepthState(PatienceState())
 
     @torch.inference_mode()
     def prefill_logits(self, engine, rs: DepthState, cache, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Run ``input_ids [T]`` at full depth into ``cache`` from position ``start`` (the positions before it
-        are already cached; the router picks the request's route from the whole prompt first); returns the last
+        are already cached); returns the last
         position's logits ``[V]``."""
         cache.crop(start)
         ids = input_ids.reshape(-1)
-        if self.router is not None:
-            rs.route_layer = self.router.route(engine, ids)
         h, st = engine.begin(ids[start:].reshape(1, -1), start=start, cache=cache)
         self._configure(engine, st, rs)
         h = engine.run_layers(0, engine.num_layers, h, st)
@@ -327,7 +307,7 @@ class AdaptiveDepth(Mode):
     @torch.inference_mode()
     def step_batch(self, engine, requests) -> list[list[Emitted]]:
         """One token for each of ``requests`` (paged caches, :class:`~laserlm.runtime.kv_pool.PagedBatch`) in one
-        batched forward; each row makes its own exit decision under its own patience lock and route.
+        batched forward; each row makes its own exit decision under its own patience lock.
 
         A row that exits is frozen: every later layer still runs on its exit state, which writes that layer's own
         projection of it, i.e. the ``propagate`` bridge's K/V (CALM's state propagation; the technique of
@@ -347,10 +327,9 @@ class AdaptiveDepth(Mode):
             return h_in[:, 0], h[:, 0], None
 
         locked = torch.tensor([-1 if r.state.patience.locked is None else r.state.patience.locked for r in requests])
-        route = torch.tensor([r.state.route_layer for r in requests])
         was_locked = [r.state.patience.locked is not None for r in requests]
         res = walk_groups(self.groups, self.policy, lambda b: self.head_at(engine, b), engine.head, n, run_group,
-                          locked=locked, route=route, finish=True)
+                          locked=locked, finish=True)
         engine.commit(st)
         out = []
         for i, r in enumerate(requests):
@@ -447,8 +426,6 @@ class AdaptiveDepth(Mode):
         rs = self.new_state(engine)
         cache = engine.new_cache(t)
         out[0] = self.prefill_logits(engine, rs, cache, ids[:1])
-        if self.router is not None:
-            rs.route_layer = self.router.route(engine, ids[:ROUTER_PROMPT])
         layers[0] = engine.num_layers
         infos = []
         for i in range(1, t):

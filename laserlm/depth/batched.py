@@ -65,14 +65,14 @@ def run_layers_frozen(engine, a: int, b: int, h_in: torch.Tensor, exited: torch.
 
 
 def supports_batched_score(mode) -> bool:
-    """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (the propagate bridge, no router)."""
-    return isinstance(getattr(mode, "bridge", None), PropagateBridge) and getattr(mode, "router", None) is None
+    """Whether :func:`score_batch` reproduces ``mode``'s sequential scoring (adaptive depth, the propagate bridge)."""
+    return isinstance(getattr(mode, "bridge", None), PropagateBridge)
 
 
 @torch.inference_mode()
 def score_batch(mode, engine, seqs: list[list[int]], targets: list[int] | None = None) -> list[BatchScore]:
     """Score ``seqs`` (token-id lists, each of length >= 1) under ``mode`` (an
-    :class:`~laserlm.depth.adaptive.AdaptiveDepth` with ``bridge=propagate``, any patience, no router), all at
+    :class:`~laserlm.depth.adaptive.AdaptiveDepth` with ``bridge=propagate``, any patience), all at
     once.
 
     Sequences are right-padded; a row's padding comes after its real tokens, so with causal attention it never
@@ -85,11 +85,11 @@ def score_batch(mode, engine, seqs: list[list[int]], targets: list[int] | None =
     and that token's exit depth; the prediction is made before the token's first layer.
 
     Raises:
-        InvalidArgumentError: the mode's bridge is not propagate, it has a router, or an empty sequence.
+        InvalidArgumentError: the mode's bridge is not propagate, or an empty sequence.
         ContextLengthError: a sequence longer than the engine's context.
     """
     if not supports_batched_score(mode):
-        raise InvalidArgumentError("batched scoring needs bridge=propagate (and no router)")
+        raise InvalidArgumentError("batched scoring needs adaptive depth with bridge=propagate")
     if not seqs or any(len(s) == 0 for s in seqs):
         raise InvalidArgumentError("batched scoring needs non-empty sequences")
     from ..errors import ContextLengthError  # noqa: PLC0415

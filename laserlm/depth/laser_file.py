@@ -39,7 +39,7 @@ from ..models.files import write_safetensors
 from ..models.weights_hash import weights_sha256
 from .heads import ExitGate, ExitHead
 from .predictor import ComplexityPredictor
-from .router import ROUTER_LAYER, DynamicRouter
+from .router import DynamicRouter
 
 FORMAT_VERSION = 2
 DEFAULT_BRIDGE = "propagate"
@@ -53,7 +53,8 @@ class LaserArtifact:
     Attributes:
         heads: ``exit layer -> ExitHead``.
         gates: ``exit layer -> ExitGate``.
-        router: the sequence-level :class:`~laserlm.depth.router.DynamicRouter`, or ``None``.
+        router: the sequence-level :class:`~laserlm.depth.router.DynamicRouter` (mode ``routed``), or ``None``.
+        router_note: why a file's router is not loaded (an older format), or ``None``.
         predictor: the pre-layer :class:`~laserlm.depth.predictor.ComplexityPredictor`, or ``None``.
         thresholds: calibrated settings (e.g. ``{"gate_threshold": 0.83}``, ``{"threshold": 0.9}``).
         config: JSON-able settings (groups, policy, min depth, ATS layer, ``bridge``, calibration report ...).
@@ -64,6 +65,7 @@ class LaserArtifact:
     heads: dict = field(default_factory=dict)
     gates: dict = field(default_factory=dict)
     router: DynamicRouter | None = None
+    router_note: str | None = None
     predictor: ComplexityPredictor | None = None
     thresholds: dict = field(default_factory=dict)
     config: dict = field(default_factory=dict)
@@ -194,7 +196,7 @@ def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) 
     if artifact.router is not None:
         for k, v in artifact.router.state_dict().items():
             tensors[f"router.{k}"] = v.detach().contiguous().cpu()
-        meta["router"] = {"exit_points": list(artifact.router.exit_points), "layer": ROUTER_LAYER}
+        meta["router"] = artifact.router.config_dict()
     if artifact.predictor is not None:
         for k, v in artifact.predictor.state_dict().items():
             tensors[f"predictor.{k}"] = v.detach().contiguous().cpu()
@@ -292,14 +294,17 @@ def load_laser_file(path, lm) -> LaserArtifact:
             gate.load_state_dict(part(f"gates.{key}."))
             art.gates[int(key)] = gate
         rc = meta.get("router")
-        if rc is not None:
-            art.router = DynamicRouter(d, rc["exit_points"])
+        if rc is not None and "routes" not in rc:  # an older laserlm's router, which only capped the final layers
+            art.router_note = (f"{path} has a router from an older laserlm (final-layer caps only); re-run "
+                               "`laserlm calibrate` for a router whose routes skip middle layers")
+        elif rc is not None:
+            art.router = DynamicRouter.from_config(d, engine.num_layers, rc)
             art.router.load_state_dict(part("router."))
         pc = meta.get("predictor")
         if pc is not None:
             art.predictor = ComplexityPredictor(d, pc["exit_points"], pc.get("context", 4), pc.get("channels", 32),
                                                 pc.get("uses_ats", False))
             art.predictor.load_state_dict(part("predictor."))
-    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+    except (RuntimeError, KeyError, TypeError, ValueError, InvalidArgumentError) as exc:
         raise CorruptModelError(f"{path}: tensors do not match its config: {exc}") from None
     return art

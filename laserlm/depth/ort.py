@@ -3,8 +3,8 @@
 The same :class:`~laserlm.depth.adaptive.AdaptiveDepth` as on PyTorch, with the exit rule built by the same
 :func:`~laserlm.depth.adaptive_settings` from the export's copy of its laser file; only what the exported graphs
 fix is checked here: the layer groups and min depth are the exported ones, the exit heads are the exported adapter
-graphs, the bridge is ``propagate`` (its ``bridge_<g>`` graphs), and nothing reads attention probabilities, the
-first layer's states (router) or token embeddings (complexity predictor), which are not graph outputs.
+graphs, the bridge is ``propagate`` (its ``bridge_<g>`` graphs), and nothing reads attention probabilities or token
+embeddings (complexity predictor), which are not graph outputs.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def make_adaptive_onnx(engine, **opts) -> AdaptiveDepth:
 
     Raises:
         InvalidArgumentError: groups or a laser file other than the exported ones, a bridge other than
-            ``propagate``, the router, the complexity predictor, or a policy that needs the attention transition
+            ``propagate``, the complexity predictor, or a policy that needs the attention transition
             score.
     """
     o = from_spec(AdaptiveOptions, opts, "adaptive")
@@ -85,8 +85,6 @@ def make_adaptive_onnx(engine, **opts) -> AdaptiveDepth:
     groups, policy, bridge, patience, _ = adaptive_settings(o, art, engine.num_layers, engine.config.vocab_size)
     if bridge != "propagate":
         raise InvalidArgumentError(f"the onnxruntime backend runs the propagate bridge only, not '{bridge}'")
-    if o.router:
-        raise InvalidArgumentError("the onnxruntime backend does not run the router (router=1)")
     if getattr(policy, "needs_ats", False):
         raise InvalidArgumentError("the onnxruntime backend cannot measure the attention transition score (its "
                                    "attention probabilities are not graph outputs); use a policy without ats (for a "

@@ -20,6 +20,7 @@ import torch
 from ..errors import InvalidArgumentError
 from ..runtime.runner import Emitted
 from ..runtime.modes import Mode, ScoreOutput
+from .router import runs
 from .stats import summarize_events
 
 DEFAULT_CALIB_TOKENS = 2048
@@ -45,10 +46,12 @@ def block_influence(engine, input_ids: torch.Tensor, chunk: int = 512) -> torch.
     """ShortGPT Block Influence of every decoder layer, ``[L]`` float64.
 
     Args:
-        input_ids: ``[N]`` calibration tokens, processed in independent chunks of ``chunk`` tokens.
+        input_ids: ``[N]`` calibration tokens, processed in independent chunks of ``chunk`` tokens (at most the
+            engine's context).
     """
     ids = input_ids.reshape(-1)
     L = engine.num_layers
+    chunk = min(chunk, engine.max_seq_len)
     total = torch.zeros(L, dtype=torch.float64)
     count = 0
     for s in range(0, ids.shape[0], chunk):
@@ -99,17 +102,6 @@ def pruned_layers(engine, num_drop: int, calib=None, num_tokens: int = DEFAULT_C
     return sorted(int(i) for i in torch.argsort(bi)[:num_drop])
 
 
-def _runs(layers: list[int]) -> list[tuple[int, int]]:
-    """``[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]``: contiguous half-open runs."""
-    runs: list[tuple[int, int]] = []
-    for i in layers:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
 class LayerSubset(Mode):
     """The model restricted to ``kept`` decoder layers (static pruning / naive early exit).
 
@@ -130,7 +122,7 @@ class LayerSubset(Mode):
         if len(set(kept)) != len(kept) or any(not 0 <= i < L for i in kept):
             raise InvalidArgumentError(f"kept layers must be distinct indices in 0-{L - 1}, got {kept}")
         self.kept = sorted(kept)
-        self.runs = _runs(self.kept)
+        self.runs = runs(self.kept)
         self.head = head
         self.name = name
 

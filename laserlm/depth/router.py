@@ -1,57 +1,260 @@
-"""Seed 004's DynamicRouter: a sequence-level route (how many layer groups) for a whole request.
+"""Seed 004's DynamicRouter: one route (a set of decoder layers) for a whole request, chosen after layer 1.
 
-After the first decoder layer, a linear classifier on the mean-pooled hidden state of the prompt picks
-a route ``r``: the request runs the first ``r`` exit points' worth of layers and reads every token
-from the exit head there (``r = E``: full depth). This module is the inference side (the router and
-:func:`pooled_first_layer`, used by :class:`~laserlm.depth.adaptive.AdaptiveDepth` with ``router=1``); the
-labels and the training live in :mod:`laserlm.training.router`. The router is stored in the laser file
-(:mod:`laserlm.depth.laser_file`).
+Seed 004 §2.1 reads the hidden state of the first position after the first layer and picks a compute path
+that skips *middle* layers for simple samples (40 % of them on its data). Here a route is a :class:`Route`:
+the decoder layers a request runs, for its prompt and every generated token alike, and the head that reads the
+last one. Two kinds of routes are built by calibration (:mod:`laserlm.training.router`):
+
+- **skip routes**: every layer except a set of middle layers, chosen by ShortGPT's Block Influence
+  (:func:`laserlm.depth.pruning.block_influence`; Men et al. 2024), read by the model's own final norm + LM head;
+- **cap routes**: the first ``e`` layers, read by the trained exit head at exit point ``e``;
+
+plus full depth (always the last route). The dropped layers never run for that request, so their K/V are never
+needed: unlike a per-token exit there is no bridge, and the saving is the route's share of the layers.
+
+**Which position.** An encoder's first position ([CLS]) sees the whole input; in a causal decoder the first
+position sees only the first token, so its state after layer 1 is the same for every prompt that starts alike.
+The router therefore reads ``position="last"`` by default (the last prompt token, which has attended to all of
+them); ``first`` (the seed's literal reading) and ``mean`` are kept for measurement.
+
+The router is a linear classifier over the standardised feature; a request takes the most probable route only
+when its probability is above the router's ``confidence`` threshold, which calibration certifies against the
+full model's greedy tokens (:func:`laserlm.training.router.certify_router`); otherwise it runs full depth.
+Used by mode ``routed`` (:class:`RoutedDepth`), stored in the laser file (:mod:`laserlm.depth.laser_file`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-ROUTER_LAYER = 1  # pooled hidden state after the first decoder layer (seed 004)
-MIN_ROUTE_CONFIDENCE = 0.9  # below this the request runs at full depth (our safety rule, not the seed's)
+from ..errors import InvalidArgumentError
+from ..runtime.modes import Mode, ScoreOutput
+from ..runtime.runner import Emitted
+from .stats import summarize_events
+
+ROUTER_LAYER = 1  # the feature is the hidden state after the first decoder layer (seed 004)
+POSITIONS = ("last", "first", "mean")
+ROUTER_PROMPT = 64  # tokens the router sees when a sequence is scored teacher-forced (no prompt to read)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One compute path: ``kept`` decoder layers (sorted, always including layer 0, which computes the router's
+    feature) and ``exit``: the exit point whose trained exit head reads the last kept layer (``None``: the
+    model's final norm + LM head)."""
+
+    kept: tuple
+    exit: int | None = None
+
+    def check(self, num_layers: int) -> "Route":
+        """Raises InvalidArgumentError for layers out of range, duplicates, no layer 0, or an exit head that
+        does not sit after the last kept layer."""
+        kept = tuple(int(i) for i in self.kept)
+        if not kept or kept[0] != 0 or list(kept) != sorted(set(kept)) or kept[-1] >= num_layers:
+            raise InvalidArgumentError(f"a route keeps distinct sorted layers in 0-{num_layers - 1} starting at "
+                                       f"layer 0, got {list(kept)}")
+        if self.exit is not None and int(self.exit) != kept[-1] + 1:
+            raise InvalidArgumentError(f"a route's exit head at {self.exit} must read its last kept layer "
+                                       f"{kept[-1]}")
+        return Route(kept, None if self.exit is None else int(self.exit))
+
+    def skipped(self, num_layers: int) -> list[int]:
+        """The layers this route does not run (a cap route: everything after its exit)."""
+        keep = set(self.kept)
+        return [i for i in range(num_layers) if i not in keep]
+
+    def describe(self, num_layers: int) -> str:
+        if len(self.kept) == num_layers:
+            return "full"
+        if self.exit is not None:
+            return f"exit@{self.exit}"
+        return "skip " + ",".join(str(i) for i in self.skipped(num_layers))
+
+    def to_dict(self) -> dict:
+        return {"kept": list(self.kept), "exit": self.exit}
+
+
+def runs(kept) -> list[tuple[int, int]]:
+    """``[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]``: contiguous half-open runs of layer indices."""
+    out: list[tuple[int, int]] = []
+    for i in kept:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
+
+
+def router_feature(h1: torch.Tensor, position: str) -> torch.Tensor:
+    """``[d]`` float32 feature of one prompt from ``h1 [T, d]``, its hidden states after layer 1.
+
+    Raises:
+        InvalidArgumentError: unknown position.
+    """
+    if position == "last":
+        return h1[-1].float()
+    if position == "first":
+        return h1[0].float()
+    if position == "mean":
+        return h1.float().mean(0)
+    raise InvalidArgumentError(f"router position must be one of {', '.join(POSITIONS)}, got {position!r}")
 
 
 class DynamicRouter(nn.Module):
-    """Linear classifier ``[B, d] -> [B, E + 1]`` route logits over standardised pooled hidden states.
+    """Linear classifier ``[B, d] -> [B, R]`` route logits over standardised features (route ``R - 1``: full depth).
 
     Args:
         hidden_size: ``d``.
-        exit_points: the E exit points (route ``r < E`` exits at ``exit_points[r]``; ``E`` is full depth).
+        routes: the R :class:`Route` s, the last one full depth.
+        position: which prompt position's layer-1 state is the feature (:data:`POSITIONS`).
+        confidence: a shallower route is taken only when its probability is ``> confidence`` (1.0: never).
+
+    Raises:
+        InvalidArgumentError: fewer than two routes, the last not full depth, or an unknown position.
     """
 
-    def __init__(self, hidden_size: int, exit_points: list[int]):
+    def __init__(self, hidden_size: int, routes: list[Route], position: str = "last", confidence: float = 1.0):
         super().__init__()
-        self.exit_points = list(exit_points)
+        if len(routes) < 2:
+            raise InvalidArgumentError("a router needs at least one shallower route besides full depth")
+        if position not in POSITIONS:
+            raise InvalidArgumentError(f"router position must be one of {', '.join(POSITIONS)}, got {position!r}")
+        self.routes = list(routes)
+        self.position = position
+        self.confidence = float(confidence)
         self.register_buffer("mean", torch.zeros(hidden_size))
         self.register_buffer("std", torch.ones(hidden_size))
-        self.linear = nn.Linear(hidden_size, len(exit_points) + 1)
+        self.linear = nn.Linear(hidden_size, len(routes))
 
-    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
-        return self.linear((pooled.float() - self.mean) / self.std)
+    @property
+    def full(self) -> int:
+        return len(self.routes) - 1
+
+    def forward(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.linear((feature.float() - self.mean) / self.std)
 
     @torch.no_grad()
-    def route(self, engine, prompt_ids: torch.Tensor, min_confidence: float = MIN_ROUTE_CONFIDENCE) -> int:
-        """Number of decoder layers to run for this request (an exit point, or ``num_layers``).
+    def decide(self, features: torch.Tensor, confidence: float | None = None) -> torch.Tensor:
+        """``[B]`` route indices for ``features [B, d]``: the most probable route when its probability is
+        ``> confidence`` (default: the router's own; 1.0 never routes), else full depth."""
+        conf = self.confidence if confidence is None else float(confidence)
+        probs = torch.softmax(self(features), -1)
+        p, r = probs.max(-1)
+        return torch.where(p > conf, r, torch.full_like(r, self.full))
 
-        Conservative: a shallower route is taken only when the router gives it probability >= ``min_confidence``;
-        otherwise full depth (the router is trained on few prompts and is not covered by the threshold guarantee).
-        """
-        probs = torch.softmax(self(pooled_first_layer(engine, prompt_ids).unsqueeze(0))[0], -1)
-        r = int(probs.argmax())
-        if r >= len(self.exit_points) or float(probs[r]) < min_confidence:
-            return engine.num_layers
-        return self.exit_points[r]
+    def config_dict(self) -> dict:
+        return {"routes": [r.to_dict() for r in self.routes], "position": self.position,
+                "confidence": self.confidence, "layer": ROUTER_LAYER}
+
+    @classmethod
+    def from_config(cls, hidden_size: int, num_layers: int, cfg: dict) -> "DynamicRouter":
+        """Raises InvalidArgumentError / KeyError / TypeError on a malformed config (the file reader turns them
+        into CorruptModelError)."""
+        routes = [Route(tuple(r["kept"]), r.get("exit")).check(num_layers) for r in cfg["routes"]]
+        if len(routes[-1].kept) != num_layers:
+            raise InvalidArgumentError("the router's last route must be full depth")
+        return cls(hidden_size, routes, cfg.get("position", "last"), float(cfg.get("confidence", 1.0)))
 
 
-@torch.inference_mode()
-def pooled_first_layer(engine, prompt_ids: torch.Tensor) -> torch.Tensor:
-    """``[d]`` mean over prompt positions of the hidden state after decoder layer 0 (no cache)."""
-    h, state = engine.begin(prompt_ids.reshape(1, -1), use_cache=False)
-    h = engine.run_layers(0, ROUTER_LAYER, h, state)
-    return h[0].float().mean(0)
+class RoutedDepth(Mode):
+    """Mode ``routed``: each request runs the layers of the route its router picks from the prompt.
+
+    Prefill runs layer 0 over the prompt (into the cache, as every route keeps it), reads the feature, picks the
+    route, and runs the rest of the route's layers; every generated token runs the same layers. Per request,
+    ``request.state`` holds the route index. ``Emitted.layers`` is the route's layer count.
+
+    Args:
+        router: the :class:`DynamicRouter` (from a laser file).
+        heads: ``exit point -> exit head`` for cap routes (the same file's trained heads).
+        confidence: overrides the router's certified confidence threshold.
+
+    Raises:
+        InvalidArgumentError: a cap route without its exit head, routes that do not fit the model, or a
+            confidence outside [0, 1].
+    """
+
+    name = "routed"
+
+    def __init__(self, engine, router: DynamicRouter, heads: dict | None = None, confidence: float | None = None):
+        L = engine.num_layers
+        self.router = router
+        self.routes = [r.check(L) for r in router.routes]
+        if len(self.routes[-1].kept) != L:
+            raise InvalidArgumentError("the router's last route must be full depth")
+        heads = heads or {}
+        missing = [r.exit for r in self.routes if r.exit is not None and r.exit not in heads]
+        if missing:
+            raise InvalidArgumentError(f"the router's cap routes need exit heads at {missing}; the laser file has "
+                                       f"heads at {sorted(heads)}")
+        self.heads = heads
+        if confidence is not None and not 0.0 <= confidence <= 1.0:
+            raise InvalidArgumentError(f"router confidence must be in [0, 1], got {confidence}")
+        self.confidence = router.confidence if confidence is None else float(confidence)
+        self._runs = [runs(r.kept) for r in self.routes]
+
+    def describe(self) -> str:
+        return f"routed(routes={len(self.routes)}, position={self.router.position}, confidence={self.confidence:g})"
+
+    def new_state(self, engine, request=None) -> dict:
+        return {"route": len(self.routes) - 1}
+
+    def _head(self, engine, route: int):
+        r = self.routes[route]
+        return engine.head if r.exit is None else self.heads[r.exit]
+
+    @torch.inference_mode()
+    def choose(self, engine, h1: torch.Tensor) -> int:
+        """Route index for one prompt from its layer-1 states ``h1 [T, d]``."""
+        feat = router_feature(h1, self.router.position).unsqueeze(0)
+        return int(self.router.decide(feat, self.confidence)[0])
+
+    @torch.inference_mode()
+    def _forward(self, engine, ids: torch.Tensor, route: int | None, start, cache, last: bool):
+        """``ids [T]`` through layer 0, then (route chosen here when ``route`` is None) the route's other layers;
+        returns ``(logits [T or 1, V] float32, route)``."""
+        h, st = engine.begin(ids.reshape(1, -1), start=start, cache=cache, use_cache=cache is not None)
+        h = engine.run_layers(0, 1, h, st)
+        if route is None:
+            route = self.choose(engine, h[0])
+        for a, b in self._runs[route]:
+            a = max(a, 1)
+            if a < b:
+                h = engine.run_layers(a, b, h, st)
+        engine.commit(st)
+        if last:
+            h = h[:, -1:]
+        return self._head(engine, route)(h)[0].float(), route
+
+    def _emit(self, request, logits) -> list[Emitted]:
+        r = self.routes[request.state["route"]]
+        n = len(r.kept)
+        return [Emitted(request.sample(logits[-1]), n, {"route": request.state["route"], "exit_layer": r.kept[-1] + 1,
+                                                        "compute_layers": n})]
+
+    def prefill(self, engine, request) -> list[Emitted]:
+        """The whole prompt on the route its layer-1 state picks (the prompt's K/V exist for those layers only)."""
+        logits, request.state["route"] = self._forward(engine, request.prompt_ids, None, 0, request.cache, True)
+        return self._emit(request, logits)
+
+    def step(self, engine, request) -> list[Emitted]:
+        logits, _ = self._forward(engine, torch.tensor([request.last_token]), request.state["route"], None,
+                                  request.cache, True)
+        return self._emit(request, logits)
+
+    def summary(self, request) -> dict:
+        out = summarize_events(request.infos)
+        out["route"] = self.routes[request.state["route"]].describe(len(self.routes[-1].kept))
+        return out
+
+    @torch.inference_mode()
+    def score(self, engine, input_ids) -> ScoreOutput:
+        """Teacher-forced logits ``[T, V]`` on the route picked from the first :data:`ROUTER_PROMPT` tokens (a
+        scored sequence has no prompt of its own)."""
+        ids = input_ids.reshape(-1)
+        h, st = engine.begin(ids[:ROUTER_PROMPT].reshape(1, -1), use_cache=False)
+        route = self.choose(engine, engine.run_layers(0, 1, h, st)[0])
+        logits, _ = self._forward(engine, ids, route, None, None, False)
+        return ScoreOutput(logits, torch.full((logits.shape[0],), float(len(self.routes[route].kept))))

@@ -6,7 +6,6 @@ rows still running at once, whether they may stop (:meth:`ExitPolicy.decide_batc
 scheduler on the way:
 
 - **min depth**: only groups at or above it are exit points (:meth:`LayerGroups.can_exit`);
-- **router cap** (seed 004's DynamicRouter): a row stops at its route's exit point at the latest;
 - **patience lock**: a row locked at group ``g`` skips the checks before ``g`` and is checked only there; if it
   fails there it runs to full depth without further checks (``WalkResult.lock_failed``).
 
@@ -45,7 +44,7 @@ class WalkResult:
 
 
 def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: Callable, n: int,
-                run_group: RunGroup, *, locked: torch.Tensor | None = None, route: torch.Tensor | None = None,
+                run_group: RunGroup, *, locked: torch.Tensor | None = None,
                 live: torch.Tensor | None = None, finish: bool = False,
                 predicted: torch.Tensor | None = None) -> WalkResult:
     """Walk ``n`` rows through ``groups`` (:class:`~laserlm.depth.groups.LayerGroups`) under ``policy``.
@@ -56,17 +55,15 @@ def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: 
         run_group: see the module docstring; called for every group in order until every row has exited
             (to the last group when ``finish``: batched scoring keeps running layers on exited rows).
         locked: ``[n]`` long, the patience lock's group per row (-1: none).
-        route: ``[n]`` long, the router's depth cap per row in layers (L: none).
         live: ``[n]`` bool, rows that may exit at all (default: all).
         predicted: ``[n, E]`` the complexity predictor's exit probabilities (computed before the first layer),
             handed to the policy at every exit point (:attr:`BatchPoint.predicted`).
     """
     if n == 1 and not finish:
-        return _walk_one(groups, policy, head_at, final_head, run_group, locked, route, live, predicted)
+        return _walk_one(groups, policy, head_at, final_head, run_group, locked, live, predicted)
     bounds = groups.bounds
     L = groups.num_layers
     locked = torch.full((n,), -1, dtype=torch.long) if locked is None else locked
-    route = torch.full((n,), L, dtype=torch.long) if route is None else route
     live = torch.ones(n, dtype=torch.bool) if live is None else live
     exit_group = torch.full((n,), -1, dtype=torch.long)
     checks_on = torch.ones(n, dtype=torch.bool)
@@ -84,8 +81,7 @@ def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: 
         if b == L:
             break
         running = live & ~exited
-        cap = running & (route <= b)  # the router's depth for this request is a hard cap
-        eligible = running & ~cap & checks_on & (locked <= g) if groups.can_exit(g) else torch.zeros_like(cap)
+        eligible = running & checks_on & (locked <= g) if groups.can_exit(g) else torch.zeros_like(running)
         point = BatchPoint(g, b, L, h, h_in, head_at(b), ats, head_evals=head_evals, predicted=predicted)
         go = torch.zeros(n, dtype=torch.bool)
         rows = torch.nonzero(eligible).flatten()
@@ -98,10 +94,9 @@ def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: 
         fail = eligible & ~go & (locked == g)  # the patience lock fails: full depth, checks resume next token
         checks_on &= ~fail
         lock_failed |= fail
-        new = cap | go
-        if bool(new.any()):
-            idx = torch.nonzero(new).flatten()
-            if point._logits is not None and bool(eligible[idx].all()):
+        if bool(go.any()):
+            idx = torch.nonzero(go).flatten()
+            if point._logits is not None:
                 lg = point._logits[idx]
             else:
                 lg = point.head(h[idx]).float()
@@ -125,13 +120,12 @@ def walk_groups(groups, policy, head_at: Callable[[int], Callable], final_head: 
 _NOT_EXITED = torch.zeros(1, dtype=torch.bool)
 
 
-def _walk_one(groups, policy, head_at, final_head, run_group, locked, route, live, predicted) -> WalkResult:
+def _walk_one(groups, policy, head_at, final_head, run_group, locked, live, predicted) -> WalkResult:
     """:func:`walk_groups` for one row (a decoding step), with the bookkeeping in Python scalars: the same rules and
     the same calls to ``run_group``, the policy and the heads, without the dozen one-element tensor operations per
     group that cost about 0.1 ms each group on the fast decode path."""
     bounds, L = groups.bounds, groups.num_layers
     lock = -1 if locked is None else int(locked[0])
-    cap_at = L if route is None else int(route[0])
     may_exit = True if live is None else bool(live[0])
     head_evals = torch.zeros(1, dtype=torch.long)
     exit_group, checks_on, lock_failed = -1, True, False
@@ -141,14 +135,13 @@ def _walk_one(groups, policy, head_at, final_head, run_group, locked, route, liv
         ats = ats_g if ats_g is not None else ats
         if b == L:
             break
-        cap = may_exit and cap_at <= b  # the router's depth for this request is a hard cap
-        eligible = may_exit and not cap and checks_on and lock <= g and groups.can_exit(g)
+        eligible = may_exit and checks_on and lock <= g and groups.can_exit(g)
         point = BatchPoint(g, b, L, h, h_in, head_at(b), ats, head_evals=head_evals, predicted=predicted)
         go = bool(policy.decide_batch(point)[0]) if eligible else False
         if eligible and not go and lock == g:  # the patience lock fails: full depth, checks resume next token
             checks_on, lock_failed = False, True
-        if cap or go:
-            if point._logits is not None and eligible:
+        if go:
+            if point._logits is not None:
                 logits = point._logits
             else:
                 logits = point.head(h).float()

@@ -5,7 +5,7 @@ Everything here goes through the decoding-mode interface (:mod:`laserlm.runtime.
 registers a mode is scored the same way. For the full-depth mode the scorer takes a faster, exactly
 equivalent path: the choices of an item are right-padded into one batch (padding after the last real
 token cannot change causal attention of earlier positions) and the LM head runs only on the
-positions that are scored. Adaptive depth with the ``propagate`` bridge (any patience, no router) is scored for many
+positions that are scored. Adaptive depth with the ``propagate`` bridge (any patience) is scored for many
 sequences at once by :func:`laserlm.depth.batched.score_batch` (per-row exit decisions, equal to the
 token-by-token scheduler up to float rounding).
 """

@@ -14,8 +14,8 @@ run on onnxruntime exactly as on PyTorch (seed 004 §3.1: the runtime chooses th
 - :class:`OnnxCache` keeps the K/V of a batch of sequences as numpy arrays ``[B, n_kv, P, head_dim]`` per layer.
 
 Not here (refused where a mode is built): attention kernels (the graphs have dense attention), paged KV pools and
-continuous batching, the ``deferred`` and ``none`` bridges, the attention transition score, the router and the
-complexity predictor.
+continuous batching, the ``deferred`` and ``none`` bridges, the attention transition score, the complexity
+predictor, and modes other than ``full`` and ``adaptive`` (``routed`` among them).
 """
 
 from __future__ import annotations

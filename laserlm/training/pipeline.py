@@ -31,7 +31,7 @@ from ..depth.groups import make_groups
 from ..depth.heads import GATE_FEATURES
 from ..depth.laser_file import LaserArtifact, save_laser_file
 from ..depth.policies import AllOf, Compensation, GatePolicy
-from ..depth.router import DynamicRouter
+from ..depth.router import POSITIONS, DynamicRouter, Route
 from ..errors import InvalidArgumentError
 from ..runtime.options import is_int
 from .collect import ExitStates, collect_exit_states, load_text_tokens
@@ -76,9 +76,10 @@ class CalibrateConfig:
     joint: JointTrainConfig = field(default_factory=JointTrainConfig)
     predictor: bool = True             # train + certify the pre-layer complexity predictor (seed 000 §2.1)
     predictor_train: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
-    router_prompts: int = 48           # 0 disables the router
-    router_prompt_len: int = 64
-    router_continuation: int = 8
+    router_prompts: int = 96           # 0 disables the router (seed 004's; mode routed)
+    router_prompt_len: int = 32
+    router_continuation: int = 16
+    router_position: str = "last"      # the layer-1 feature's position: last | first (the seed's) | mean
     target_agreement: float | None = 0.99
     max_ppl_increase: float | None = None
     delta: float = 0.1
@@ -125,6 +126,12 @@ class CalibrateConfig:
             raise InvalidArgumentError(f"calibration source must be 'text' or 'chat', got '{self.source}'")
         if self.router_prompts < 0:
             raise InvalidArgumentError(f"router prompts must be >= 0, got {self.router_prompts}")
+        if 0 < self.router_prompts < 4:
+            raise InvalidArgumentError(f"the router needs at least 4 prompts (fit, certify and check splits), got "
+                                       f"{self.router_prompts}")
+        if self.router_position not in POSITIONS:
+            raise InvalidArgumentError(f"router position must be one of {', '.join(POSITIONS)}, got "
+                                       f"{self.router_position!r}")
         self.heads.validate()
         self.gates.validate()
         self.joint.validate()
@@ -275,37 +282,84 @@ def _router_tokens(ctx):
 
 
 def _router(ctx):
-    from .router import RouterData  # noqa: PLC0415
+    """Seed 004's router, its data (:mod:`laserlm.training.router`): routes from the exit heads and Block
+    Influence, and every route's teacher-forced agreement with the full model on the router prompts (the slow
+    part, checkpointed; training and certification are :func:`_router_fit`)."""
+    from ..depth.pruning import block_influence  # noqa: PLC0415
+    from .router import build_routes  # noqa: PLC0415
 
-    cfg, exits, L, heads = ctx["cfg"], ctx["exits"], ctx["L"], ctx["heads"]
-    router = ctx["router"] = DynamicRouter(ctx["engine"].config.hidden_size, exits)
-    rdata = collect_router_data(ctx["engine"], {e: heads[str(e)] for e in exits}, _router_tokens(ctx), exits,
+    cfg, exits, L, heads, engine = ctx["cfg"], ctx["exits"], ctx["L"], ctx["heads"], ctx["engine"]
+    bi = block_influence(engine, ctx["tokens"][:2048])
+    routes = build_routes(L, exits, bi)
+    rdata = collect_router_data(engine, {e: heads[str(e)] for e in exits}, _router_tokens(ctx), routes,
                                 cfg.router_prompts, cfg.router_prompt_len, cfg.router_continuation, ctx["progress"])
-    n_fit = max(1, int(round(0.75 * cfg.router_prompts)))
-    train_router(router, RouterData(rdata.pooled[:n_fit], rdata.labels[:n_fit]), seed=cfg.heads.seed)
-    with torch.no_grad():
-        pred = router(rdata.pooled[n_fit:]).argmax(-1) if n_fit < cfg.router_prompts else torch.empty(0)
-    lab = rdata.labels[n_fit:]
-    ctx["router_report"] = {
-        "label_histogram": {str(exits[r] if r < len(exits) else L): int((rdata.labels == r).sum())
-                            for r in range(len(exits) + 1)},
-        "held_out_prompts": int(lab.numel()),
-        "held_out_accuracy": float((pred == lab).float().mean()) if lab.numel() else None,
-        "held_out_safe_rate": float((pred >= lab).float().mean()) if lab.numel() else None,
-    }
-    return {"router": router.state_dict(), "report": ctx["router_report"]}
+    ctx["router_data"] = {"routes": [r.to_dict() for r in routes], "block_influence": bi, "features": rdata.features,
+                          "agree": rdata.agree}
+    return ctx["router_data"]
 
 
 def _load_router(ctx, saved):
-    ctx["router"] = DynamicRouter(ctx["engine"].config.hidden_size, ctx["exits"])
-    ctx["router"].load_state_dict(saved["router"])
-    ctx["router_report"] = saved["report"]
+    ctx["router_data"] = saved
+
+
+def _router_fit(ctx):
+    """Train the router on the first half of the prompts (one per feature position, the configured one kept), with
+    labels at the quality target (the route with the fewest layers whose agreement on a prompt's continuation is
+    at least the target agreement; every position for a perplexity target); certify its confidence on the next 30 %
+    against the full model's greedy tokens (:func:`laserlm.training.router.certify_router`) and check it on the
+    last 20 %. Cheap, so it runs on every calibration (a new target re-labels and re-certifies)."""
+    from .router import RouterData, certify_router, labels_of, route_report  # noqa: PLC0415
+
+    cfg, L, d = ctx["cfg"], ctx["L"], ctx["engine"].config.hidden_size
+    saved = ctx["router_data"]
+    routes = [Route(tuple(r["kept"]), r["exit"]) for r in saved["routes"]]
+    level = cfg.target_agreement if cfg.target_agreement is not None else 1.0
+    data = RouterData(saved["features"], saved["agree"], labels_of(saved["agree"], level))
+    p = data.labels.numel()
+    n_fit, n_cal = max(1, p // 2), max(1, (3 * p) // 10)
+    fit, cal, held = data.subset(slice(0, n_fit)), data.subset(slice(n_fit, n_fit + n_cal)), \
+        data.subset(slice(n_fit + n_cal, p))
+    accuracy, router = {}, None
+    for pos in POSITIONS:  # the seed reads the first position; a causal decoder's last one has seen the prompt
+        r = DynamicRouter(d, routes, pos)
+        train_router(r, fit.features[pos], fit.labels, seed=cfg.heads.seed)
+        if held.labels.numel():
+            with torch.no_grad():
+                accuracy[pos] = round(float((r(held.features[pos]).argmax(-1) == held.labels).float().mean()), 4)
+        if pos == cfg.router_position:
+            router = r
+    agree_rate = saved["agree"].double().mean((0, 2))
+    report = {"position": cfg.router_position, "label_agreement": level,
+              "routes": {r.describe(L): {"layers": len(r.kept), "agreement": round(float(a), 4)}
+                         for r, a in zip(routes, agree_rate)},
+              "block_influence": [round(float(x), 5) for x in saved["block_influence"]],
+              "label_histogram": {routes[i].describe(L): int((data.labels == i).sum())
+                                  for i in range(len(routes)) if int((data.labels == i).sum())},
+              "held_out_label_accuracy": accuracy, "split_prompts": [n_fit, n_cal, p - n_fit - n_cal]}
+    pos = cfg.router_position
+    if cfg.target_agreement is not None and cal.labels.numel():
+        c = certify_router(router, cal.features[pos], cal.agree, target_agreement=cfg.target_agreement,
+                           delta=cfg.delta, method=cfg.p_value)
+        report["certificate"] = {k: v for k, v in c.to_dict().items() if k != "curve"}
+        report["certificate"]["note"] = (f"{c.n} positions from {cal.labels.numel()} prompts; a prompt's positions "
+                                         "share its route, so the effective sample is nearer the prompt count")
+    else:  # a perplexity target: the router's losses are agreements only, so it is not certified and never routes
+        router.confidence = 1.0
+        report["certificate"] = None
+    report["calibration"] = route_report(router, cal.features[pos], cal.agree, L)
+    report["held_out"] = route_report(router, held.features[pos], held.agree, L) if held.labels.numel() else None
+    ctx["router"], ctx["router_report"] = router, report
 
 
 def _router_settings(ctx):
     cfg = ctx["cfg"]
     return {"prompts": cfg.router_prompts, "prompt_len": cfg.router_prompt_len, "continuation": cfg.router_continuation,
-            "seed": cfg.heads.seed, "tokens": _tokens_hash(_router_tokens(ctx))}
+            "tokens": _tokens_hash(_router_tokens(ctx)), "version": 2}
+
+
+def _router_fit_settings(ctx):
+    cfg = ctx["cfg"]
+    return {"position": cfg.router_position, "seed": cfg.heads.seed, **_threshold_settings(ctx)}
 
 
 def _outputs(ctx):
@@ -562,6 +616,8 @@ STAGES = (
           settings=lambda ctx: asdict(ctx["cfg"].joint), when=lambda ctx: ctx["cfg"].joint.epochs > 0),
     Stage("router", _router, _load_router, after=("heads", "joint"), settings=_router_settings,
           when=lambda ctx: ctx["cfg"].router_prompts > 0),
+    Stage("router_fit", _router_fit, after=("router",), settings=_router_fit_settings, saves=False,
+          when=lambda ctx: ctx["cfg"].router_prompts > 0),
     Stage("outputs", _outputs, _load_outputs, after=("collect", "heads", "gates", "joint"),
           owns=("propagate_calib.pt", "propagate_held.pt", "propagate_gate.pt")),
     Stage("thresholds", _thresholds, after=("outputs",), settings=_threshold_settings, saves=False),
@@ -572,7 +628,7 @@ STAGES = (
           saves=False, when=lambda ctx: ctx["cfg"].predictor),
 )
 """The stages of ``laserlm calibrate``, in order: collect hidden states -> exit heads -> exit gates ->
-[joint heads+gates] -> [router] -> exit-head outputs of the fixed modules -> thresholds -> [complexity predictor
+[joint heads+gates] -> [router data -> router fit + certificate] -> exit-head outputs of the fixed modules -> thresholds -> [complexity predictor
 -> its threshold]."""
 
 
@@ -811,9 +867,12 @@ def format_summary(s: dict) -> str:
     if s.get("router"):
         r = s["router"]
         hist = ", ".join(f"{k}: {v}" for k, v in r["label_histogram"].items())
-        acc = "n/a" if r.get("held_out_accuracy") is None else f"{r['held_out_accuracy']:.2f}"
-        lines.append(f"  router: route labels (layers: prompts) {hist}; held-out accuracy {acc} on "
-                     f"{r['held_out_prompts']} prompts (use with adaptive:laser=PATH,router=1)")
+        c, h = r.get("certificate"), r.get("held_out")
+        conf = "not certified" if not c else (f"confidence {c['threshold']:.4g} certified" if c["threshold"] is not None
+                                              else "no confidence certified (full depth)")
+        lines.append(f"  router ({r['position']} position after layer 1; mode routed:laser=PATH): labels {hist}; "
+                     f"{conf}" + (f"; held-out {h['prompts']} prompts: routes {h['routes']}, agreement "
+                                  f"{h['agreement']}, layers saved {h['layers_saved']:.1%}" if h else ""))
     p = s.get("predictor")
     if p:
         ph = p["held_out"]
