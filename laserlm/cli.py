@@ -263,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     eval_cli.add_parser(sub)
     bench_cli.add_parser(sub)
+    bench_cli.add_report_parser(sub)
     for module in (training_cli, profile_cli, serve_cli, export_cli):
         module.add_parser(sub)
     return parser

@@ -13,7 +13,8 @@
   choice; standard errors ``sqrt(p(1-p)/(n-1))`` (lm-eval ``mean_stderr``).
 - ``sst2``, ``rte``, ``mrpc``, ``qnli``: GLUE dev sets, zero-shot with lm-eval's ``glue`` prompts
   (:data:`~laserlm.evaluation.data.GLUE`): ``acc`` as above (one-word choices, so ``acc_norm`` adds nothing); ``mrpc``
-  also ``f1`` of the ``yes`` class (lm-eval's metric list).
+  also ``f1`` of the ``yes`` class (lm-eval's metric list). Choice tasks also report ``seconds``: the wall time of
+  scoring the items under that configuration.
 - ``agreement``: greedy top-1 agreement per position with the full model on WikiText-2 windows, and
   exact match / longest common prefix (tokens) of greedy generations on a prompt set.
 - ``longtext``: one long document (the Gutenberg novel, ``long_tokens`` tokens in one sequence): top-1
@@ -26,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import time
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -309,6 +311,7 @@ class Evaluator:
         for name in self.names:
             sc = self.scorers[name]
             preds, preds_norm, correct, correct_norm, layers, ntok = [], [], 0, 0, 0.0, 0
+            t0 = time.perf_counter()
             for it, scores in self._bar(self._grouped_scores(sc, encoded), f"{task} [{name}]", total=len(encoded)):
                 ll = [s.logprob for s in scores]
                 lln = [x / max(len(c), 1) for x, c in zip(ll, it.choices)]
@@ -326,7 +329,8 @@ class Evaluator:
             results[name] = {"acc": acc, "acc_stderr": stderr_of_mean(acc, n), "acc_norm": acc_norm,
                              "acc_norm_stderr": stderr_of_mean(acc_norm, n),
                              "choice_agreement": sum(a == b for a, b in zip(preds, ref_pred)) / n,
-                             "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1)}
+                             "n": n, "of": len(items), "mean_layers": layers / max(ntok, 1),
+                             "seconds": round(time.perf_counter() - t0, 3)}
             if task == "mrpc":
                 results[name]["f1"] = f1_score(preds, [it.gold for it, _, _ in encoded], positive=1)
         return results
