@@ -18,7 +18,7 @@ from laserlm.runtime.engine import Engine
 from laserlm.runtime.loop import greedy_ids
 from laserlm.training.router import (build_routes, certify_router, collect_router_data, confidence_candidates,
                                      labels_of, middle_layers, route_agreement, route_losses, train_router)
-from laserlm.training.thresholds import binomial_p_value
+from laserlm.training.thresholds import hoeffding_bentkus_p_value
 
 L = 8
 
@@ -179,9 +179,10 @@ def test_router_is_conservative():
 
 
 def test_certified_confidence_against_an_enumeration():
-    """certify_router picks the loosest confidence of the fixed sequence whose binomial p-value on the *route*
-    losses (full-depth prompts count as agreeing) is <= delta, as an independent enumeration finds; and on a held-out
-    draw from the same distribution the agreement meets the target."""
+    """certify_router picks the loosest confidence of a fixed sequence (from the fit prompts) whose
+    Hoeffding-Bentkus p-value over per-prompt losses (a prompt's share of disagreeing positions on its route;
+    full-depth prompts lose 0) is <= delta, as an independent enumeration finds; on a fresh draw from the same
+    distribution the agreement meets the target."""
     routes = [Route((0, 1, 2)), Route((0, 1, 2, 3, 5)), Route(tuple(range(L)))]
     g = torch.Generator().manual_seed(4)
 
@@ -196,27 +197,46 @@ def test_certified_confidence_against_an_enumeration():
         agree[:, 2] = False  # ignored: the full route is the reference
         return feats, agree
 
-    feats, agree = draw(400)
+    fit_f, fit_a = draw(400)
     router = DynamicRouter(4, routes)
-    train_router(router, feats, labels_of(agree))
-    cal = certify_router(router, feats, agree, target_agreement=0.95, delta=0.1)
-    # the enumeration
+    train_router(router, fit_f, labels_of(fit_a, 0.95))
+    cands = confidence_candidates(router, fit_f)
+    feats, agree = draw(600)
+    cal = certify_router(router, feats, agree, target_agreement=0.95, delta=0.1, candidates=cands)
+    # the enumeration, in float64 like the rule
     with torch.no_grad():
-        p, r = torch.softmax(router(feats), -1).max(-1)
+        p, r = torch.softmax(router(feats).double(), -1).max(-1)
     best = None
-    for conf in confidence_candidates(router, feats):
+    for conf in cands:
         d = torch.where(p > conf, r, torch.full_like(r, 2))
-        wrong = sum(int((~agree[i, int(d[i])]).sum()) for i in range(400) if int(d[i]) != 2)
-        if binomial_p_value(wrong, 400 * 16, 0.05) > 0.1:
+        losses = [float((~agree[i, int(d[i])]).double().mean()) if int(d[i]) != 2 else 0.0 for i in range(600)]
+        if hoeffding_bentkus_p_value(sum(losses) / 600, 600, 0.05) > 0.1:
             break
         best = conf
     assert cal.threshold == best and router.confidence == best and best is not None and best < 1.0
+    assert cal.n == 600 and "router confidence" in cal.guarantee and "prompts" in cal.guarantee
     assert (router.decide(feats) == 0).sum() > 50  # it routes many prompts shallow
-    feats2, agree2 = draw(400)
+    feats2, agree2 = draw(600)
     assert 1 - float(route_losses(router.decide(feats2), agree2).mean()) >= 0.95
     # a target nothing meets: confidence 1.0, every request at full depth
-    cal = certify_router(router, feats, agree, target_agreement=0.9999, delta=0.1)
+    cal = certify_router(router, feats, agree, target_agreement=0.9999, delta=0.1, candidates=cands)
     assert cal.threshold is None and router.confidence == 1.0 and (router.decide(feats) == 2).all()
+    assert "every request runs full depth" in cal.guarantee
+
+
+def test_a_certain_router_routes_at_its_certified_confidence():
+    """A router whose probability is exactly 1.0 in float32 (the constant router of a single label): the candidate
+    just below 1.0 must route every prompt (it did not when probabilities were compared in float32)."""
+    routes = [Route((0, 1, 2)), Route(tuple(range(L)))]
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    router = DynamicRouter(4, routes)
+    train_router(router, x, torch.zeros(40, dtype=torch.long))
+    with torch.no_grad():
+        assert float(torch.softmax(router(x), -1)[0, 0]) == 1.0  # float32 saturates
+    agree = torch.ones(40, 2, 8, dtype=torch.bool)
+    cal = certify_router(router, x, agree, target_agreement=0.9, delta=0.1)
+    assert cal.threshold is not None and cal.threshold < 1.0
+    assert router.decide(x).tolist() == [0] * 40
 
 
 def test_router_data_on_a_tiny_model_and_the_laser_file(tmp_path):
@@ -259,6 +279,11 @@ def test_router_data_on_a_tiny_model_and_the_laser_file(tmp_path):
     assert load_laser_file(old, eng).router is None  # the file still runs adaptive depth
     with pytest.raises(InvalidArgumentError, match="older laserlm"):
         make_mode(f"routed:laser={old}", eng)
-    bad = rewrite(tmp_path / "bad.laser", lambda m: m["router"]["routes"][0].__setitem__("kept", [3, 4]))
-    with pytest.raises(CorruptModelError, match="do not match its config"):
-        load_laser_file(bad, eng)
+    for i, damage in enumerate((lambda m: m["router"]["routes"][0].__setitem__("kept", [3, 4]),
+                                lambda m: m["router"].__setitem__("routes", []),
+                                lambda m: m["router"].__setitem__("confidence", -3),
+                                lambda m: m["router"]["routes"][0].__setitem__("kept", [0, 1.7, 2, 3, 6, 7]),
+                                lambda m: m["router"].__setitem__("layer", 2))):
+        bad = rewrite(tmp_path / f"bad{i}.laser", damage)
+        with pytest.raises(CorruptModelError, match="do not match its config"):
+            load_laser_file(bad, eng)

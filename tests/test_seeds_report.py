@@ -65,7 +65,7 @@ def test_every_row_is_produced(tiny_lm_and_laser):
     gates_mem = by[("dynamic compute path (exit gates)", "memory saved")]
     assert gates_mem.ours == 0.0  # the propagate bridge keeps every layer's K/V
     routed = by[("dynamic compute path (router)", "memory saved")]
-    layers = routed.compute["layers_per_token"]
+    layers = routed.compute["layers_per_scored_token"]
     assert routed.ours == pytest.approx(1 - layers / 8)
     pool = by[("memory-pool pre-allocation", "memory saved")]
     assert pool.ours == pytest.approx(1 - pool.compute["arena_mib_staged"] / pool.compute["arena_mib_full"], abs=0.01)
@@ -96,3 +96,12 @@ def test_bad_settings_are_refused():
         SeedsConfig(decode_tokens=1).validate()
     with pytest.raises(InvalidArgumentError, match="docs must be a positive integer"):
         SeedsConfig(docs=0).validate()
+
+
+def test_cli_refuses_sparse_flags_before_loading(capsys):
+    from laserlm.cli import main
+
+    assert main(["report", "seeds", "--attention", "sparse"]) != 0
+    assert "measures dense and block-sparse attention itself" in capsys.readouterr().err
+    assert main(["report", "seeds", "--long-tokens", "2"]) != 0
+    assert "long tokens must be >= 3" in capsys.readouterr().err

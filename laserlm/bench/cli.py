@@ -325,6 +325,14 @@ def cmd_report_seeds(args) -> int:
                       progress=not args.no_progress).validate()
     check_output_path(args.json, "--json")
     check_output_path(args.md, "--md")
+    sparse_flags = [f for f, v in (("--attention sparse", args.attention != "dense"),
+                                   ("--sparse-threshold", args.sparse_threshold is not None),
+                                   ("--sparse-mass", args.sparse_mass is not None),
+                                   ("--block-size", args.block_size is not None),
+                                   ("--dense-layers", args.dense_layers is not None)) if v]
+    if sparse_flags:
+        raise InvalidArgumentError(f"report seeds measures dense and block-sparse attention itself (its sparse rows "
+                                   f"use the default sparse settings); drop {', '.join(sparse_flags)}")
     lm = load_from_args(args)
     rows = run_seeds(lm, cfg)
     command = "laserlm " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("laserlm") else \

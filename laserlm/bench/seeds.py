@@ -118,6 +118,8 @@ class SeedsConfig:
                                        f"{self.bandwidth_mib}")
         if self.decode_tokens < 2:
             raise InvalidArgumentError("decode tokens must be >= 2 (a decode rate needs a token after the first)")
+        if self.long_tokens < 3:
+            raise InvalidArgumentError(f"long tokens must be >= 3, got {self.long_tokens}")
         if self.glue_limit is not None and self.glue_limit < 1:
             raise InvalidArgumentError(f"glue limit must be >= 1, got {self.glue_limit}")
         if self.glue_task not in ("sst2", "rte", "mrpc", "qnli"):
@@ -167,12 +169,14 @@ class _Runs:
         self.long_n = min(cfg.long_tokens, self.engine.max_seq_len - 1)  # the long-text evaluation's own cap
         self._memo = {}
         self.adaptive = f"adaptive:laser={cfg.laser}" if cfg.laser else None
-        self.routed = None
+        self.routed, self.router_note = None, NO_ROUTER
         if cfg.laser:
             from ..depth.laser_file import load_laser_file  # noqa: PLC0415
 
-            if load_laser_file(cfg.laser, lm).router is not None:
+            art = load_laser_file(cfg.laser, lm)
+            if art.router is not None:
                 self.routed = f"routed:laser={cfg.laser}"
+            self.router_note = art.router_note or NO_ROUTER
 
     def once(self, key, fn):
         if key not in self._memo:
@@ -349,7 +353,7 @@ def _table_004(r: _Runs) -> list[Row]:
             return [Row(T, name, m, v, None, "", spec or "-", note=why)
                     for m, v in zip(("speed (x)", "memory saved", "accuracy change"), seed)]
         g = glue[spec]
-        comp = {"layers_per_token": round(g["mean_layers"], 3), "of_layers": L,
+        comp = {"layers_per_scored_token": round(g["mean_layers"], 3), "of_layers": L,
                 "answers_changed": round(1 - g["choice_agreement"], 4)}
         return [
             Row(T, name, "speed (x)", seed[0], _ratio(full["seconds"], g["seconds"]),
@@ -364,8 +368,10 @@ def _table_004(r: _Runs) -> list[Row]:
     routed_layers = glue.get(r.routed, {}).get("mean_layers") if r.routed else None
     rows += glue_rows("dynamic compute path (router)", r.routed,
                       None if routed_layers is None else 1 - routed_layers / L,
-                      "K/V bytes per token kept, against full depth (a route's dropped layers keep none)",
-                      "" if r.routed else (NO_ROUTER if r.adaptive else NO_LASER))
+                      "K/V bytes written per token, against full depth (a route's dropped layers write none; the "
+                      "KV cache still allocates every layer's slots)",
+                      "routed scores one sequence at a time, full depth in batches: the speed ratio includes the "
+                      "scorer's batching" if r.routed else (r.router_note if r.adaptive else NO_LASER))
     rows += glue_rows("sparse attention", sparse_spec, 0.0,
                       "K/V bytes kept, against full depth (block-sparse attention reads fewer blocks, stores all)",
                       "GLUE prompts are short: the attention is dense below the sparse kernel's block count; the long-"
@@ -399,7 +405,9 @@ def _table_004(r: _Runs) -> list[Row]:
     comb_rows = glue_rows("all combined", comb, None, "")
     if comb and comb in glue:
         comb_rows[1].ours = 1 - pool_staged["arena_bytes"] / pool_full["arena_bytes"]
-        comb_rows[1].definition = "KV arena bytes of the batch workload on the staged pool (the exits keep all K/V)"
+        comb_rows[1].definition = ("KV arena bytes of the batch workload (full depth) on the staged pool: the exits "
+                                   "keep all K/V, so the pool's saving is the combination's")
+        comb_rows[1].config = "kv_prealloc full vs staged"
         comb_rows[1].compute = pages
     rows += comb_rows
     return rows
@@ -436,19 +444,21 @@ def _table_000(r: _Runs) -> list[Row]:
     kv_full = bytes_per_token(r.engine, L, ctx)["kv"]
     import resource  # noqa: PLC0415
 
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux -> GiB
     s = SEED_000["peak memory (GB)"]
     rows.append(Row(T, "peak memory (GB)", "Laser", s[1], (weights + kv_full) / 1e9 if ad else None,
                     f"weight bytes + KV cache at {ctx} positions (the propagate bridge keeps every layer's K/V, so "
                     "Laser equals full)", cfgs, baseline=s[0], ours_baseline=(weights + kv_full) / 1e9,
-                    compute={"process_peak_rss_gb": round(rss, 3)}, note="" if ad else NO_LASER))
+                    compute={"process_peak_rss_gib": round(rss, 3)}, note="" if ad else NO_LASER))
     s = SEED_000["long-text consistency"]
     la = lt.get(ad) if ad else None
     rows.append(Row(T, "long-text consistency", "Laser", s[1], la["consistency"] if la else None,
                     f"top-1 agreement with full depth past position 2,048 of the long novel ({ctx} tokens); full "
                     "scores 1.0 against itself, the seed's traditional 0.82 is its own score", cfgs, baseline=s[0],
                     ours_baseline=1.0, compute={"layers_per_token": round(la["mean_layers"], 3) if la else None},
-                    note="" if la else NO_LASER))
+                    note=NO_LASER if not la else ("" if la["consistency"] is not None else
+                                                  "the document has no position past 2,048 (--long-tokens, "
+                                                  "--ctx-size)")))
     bw = r.once("bandwidth", lambda: read_bandwidth(cfg.bandwidth_mib))
     def util(d):
         return bytes_per_token(r.engine, d["mean_layers"], d["context"])["total"] * 1e3 / d["ms_per_token"] / bw
@@ -463,7 +473,8 @@ def _table_000(r: _Runs) -> list[Row]:
                     "fall of top-1 agreement with full depth per 1,000 tokens past 2,048 (the seed measures "
                     "inter-layer feature decay); full depth: 0 by definition", cfgs, baseline=s[0], ours_baseline=0.0,
                     note="" if d is not None else (NO_LASER if not la else
-                                                   f"the document needs > {2048 + 1024} tokens (--long-tokens)")))
+                                                   "the document needs two 512-token bins past 2,048: more than "
+                                                   "2,560 tokens (--long-tokens, --ctx-size)")))
     return rows
 
 
@@ -502,8 +513,8 @@ def _scenarios(r: _Runs) -> list[Row]:
         if code_specs else {}
     best = min((code[x]["mean_layers"] for x in code_specs), default=None)
     rows.append(Row(T, "simple code completions: compute", "after", s[1], None if best is None else best / L,
-                    f"decoder layers per generated token over full depth's {L}, {len(CODE_PROMPTS)} syntax-completion "
-                    "prompts (CODE_PROMPTS)", " / ".join(["full"] + code_specs), baseline=s[0], ours_baseline=1.0,
+                    f"decoder layers per generated token over full depth's {L} (the lower of the configurations), "
+                    f"{len(CODE_PROMPTS)} syntax-completion prompts (CODE_PROMPTS)", " / ".join(["full"] + code_specs), baseline=s[0], ours_baseline=1.0,
                     compute={x: round(code[x]["mean_layers"], 3) for x in code_specs}, note="" if code_specs else NO_LASER))
     return rows
 

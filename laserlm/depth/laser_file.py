@@ -305,6 +305,6 @@ def load_laser_file(path, lm) -> LaserArtifact:
             art.predictor = ComplexityPredictor(d, pc["exit_points"], pc.get("context", 4), pc.get("channels", 32),
                                                 pc.get("uses_ats", False))
             art.predictor.load_state_dict(part("predictor."))
-    except (RuntimeError, KeyError, TypeError, ValueError, InvalidArgumentError) as exc:
+    except (RuntimeError, KeyError, IndexError, TypeError, ValueError, InvalidArgumentError) as exc:
         raise CorruptModelError(f"{path}: tensors do not match its config: {exc}") from None
     return art

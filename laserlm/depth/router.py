@@ -15,7 +15,8 @@ needed: unlike a per-token exit there is no bridge, and the saving is the route'
 **Which position.** An encoder's first position ([CLS]) sees the whole input; in a causal decoder the first
 position sees only the first token, so its state after layer 1 is the same for every prompt that starts alike.
 The router therefore reads ``position="last"`` by default (the last prompt token, which has attended to all of
-them); ``first`` (the seed's literal reading) and ``mean`` are kept for measurement.
+them; on SmolLM2 its certified router saved the most layers: RESULTS, "The router as the seed describes it");
+``mean`` (over the prompt's positions) and ``first`` (the seed's literal reading) are kept for measurement.
 
 The router is a linear classifier over the standardised feature; a request takes the most probable route only
 when its probability is above the router's ``confidence`` threshold, which calibration certifies against the
@@ -141,9 +142,14 @@ class DynamicRouter(nn.Module):
         """``[B]`` route indices for ``features [B, d]``: the most probable route when its probability is
         ``> confidence`` (default: the router's own; 1.0 never routes), else full depth."""
         conf = self.confidence if confidence is None else float(confidence)
-        probs = torch.softmax(self(features), -1)
-        p, r = probs.max(-1)
+        p, r = self.probabilities(features).max(-1)
         return torch.where(p > conf, r, torch.full_like(r, self.full))
+
+    @torch.no_grad()
+    def probabilities(self, features: torch.Tensor) -> torch.Tensor:
+        """``[B, R]`` route probabilities in float64 (so a threshold just below a probability, as calibration's
+        candidates are, compares as intended)."""
+        return torch.softmax(self(features).double(), -1)
 
     def config_dict(self) -> dict:
         return {"routes": [r.to_dict() for r in self.routes], "position": self.position,
@@ -153,10 +159,22 @@ class DynamicRouter(nn.Module):
     def from_config(cls, hidden_size: int, num_layers: int, cfg: dict) -> "DynamicRouter":
         """Raises InvalidArgumentError / KeyError / TypeError on a malformed config (the file reader turns them
         into CorruptModelError)."""
-        routes = [Route(tuple(r["kept"]), r.get("exit")).check(num_layers) for r in cfg["routes"]]
+        raw = cfg["routes"]
+        if not isinstance(raw, list) or not raw:
+            raise InvalidArgumentError("the router has no routes")
+        for r in raw:
+            if not all(type(i) is int for i in r["kept"]) or not (r.get("exit") is None or type(r["exit"]) is int):
+                raise InvalidArgumentError(f"route layers must be integers, got {r}")
+        routes = [Route(tuple(r["kept"]), r.get("exit")).check(num_layers) for r in raw]
         if len(routes[-1].kept) != num_layers:
             raise InvalidArgumentError("the router's last route must be full depth")
-        return cls(hidden_size, routes, cfg.get("position", "last"), float(cfg.get("confidence", 1.0)))
+        conf = cfg.get("confidence", 1.0)
+        if isinstance(conf, bool) or not isinstance(conf, (int, float)) or not 0.0 <= conf <= 1.0:
+            raise InvalidArgumentError(f"router confidence must be in [0, 1], got {conf!r}")
+        if cfg.get("layer", ROUTER_LAYER) != ROUTER_LAYER:
+            raise InvalidArgumentError(f"the router reads layer {cfg.get('layer')!r}; this laserlm reads layer "
+                                       f"{ROUTER_LAYER}")
+        return cls(hidden_size, routes, cfg.get("position", "last"), float(conf))
 
 
 class RoutedDepth(Mode):
@@ -252,7 +270,8 @@ class RoutedDepth(Mode):
     @torch.inference_mode()
     def score(self, engine, input_ids) -> ScoreOutput:
         """Teacher-forced logits ``[T, V]`` on the route picked from the first :data:`ROUTER_PROMPT` tokens (a
-        scored sequence has no prompt of its own)."""
+        scored sequence has no prompt of its own; for a short context followed by a scored continuation the route
+        may read continuation tokens, so two continuations of one context can be scored on different routes)."""
         ids = input_ids.reshape(-1)
         h, st = engine.begin(ids[:ROUTER_PROMPT].reshape(1, -1), use_cache=False)
         route = self.choose(engine, engine.run_layers(0, 1, h, st)[0])

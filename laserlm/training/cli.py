@@ -147,16 +147,17 @@ def add_parser(subparsers) -> None:
                         "used with adaptive:laser=PATH,policy=predictor)")
     p.add_argument("--predictor-steps", type=_positive(int, "--predictor-steps", True), default=300,
                    help="complexity-predictor training steps (full batch; default: %(default)s)")
-    p.add_argument("--router-prompts", type=_positive(int, "--router-prompts", True), default=96,
+    p.add_argument("--router-prompts", type=_positive(int, "--router-prompts", True), default=192,
                    help="prompts for seed 004's router (half fit it, 30%% certify its confidence, 20%% check it; "
                         "0 = no router; used with --mode routed:laser=PATH; default: %(default)s)")
-    p.add_argument("--router-prompt-len", type=_positive(int, "--router-prompt-len"), default=32,
+    p.add_argument("--router-prompt-len", type=_positive(int, "--router-prompt-len"), default=16,
                    help="tokens per router prompt (default: %(default)s)")
     p.add_argument("--router-continuation", type=_positive(int, "--router-continuation"), default=16,
                    help="full-depth greedy tokens a route must reproduce, per prompt (default: %(default)s)")
-    p.add_argument("--router-position", choices=("last", "first", "mean"), default="last",
-                   help="which prompt position's state after layer 1 the router reads: last (default; it has seen "
-                        "the prompt), first (seed 004's [CLS]-style reading) or mean")
+    p.add_argument("--router-position", choices=("last", "mean", "first"), default="last",
+                   help="which prompt positions' state after layer 1 the router reads: last (default; it has seen the "
+                        "prompt, and its certified router saved the most), mean, or first (seed 004's [CLS]-style "
+                        "reading, which in a causal decoder sees only the first token)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--resume", action="store_true",
                    help="reuse the stages finished in the work directory whose settings are unchanged (its "

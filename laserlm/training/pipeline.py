@@ -76,10 +76,10 @@ class CalibrateConfig:
     joint: JointTrainConfig = field(default_factory=JointTrainConfig)
     predictor: bool = True             # train + certify the pre-layer complexity predictor (seed 000 §2.1)
     predictor_train: PredictorTrainConfig = field(default_factory=PredictorTrainConfig)
-    router_prompts: int = 96           # 0 disables the router (seed 004's; mode routed)
-    router_prompt_len: int = 32
+    router_prompts: int = 192          # 0 disables the router (seed 004's; mode routed); 57 certify it, one loss each
+    router_prompt_len: int = 16
     router_continuation: int = 16
-    router_position: str = "last"      # the layer-1 feature's position: last | first (the seed's) | mean
+    router_position: str = "last"      # the layer-1 feature's position: last | mean | first (the seed's)
     target_agreement: float | None = 0.99
     max_ppl_increase: float | None = None
     delta: float = 0.1
@@ -308,7 +308,7 @@ def _router_fit(ctx):
     at least the target agreement; every position for a perplexity target); certify its confidence on the next 30 %
     against the full model's greedy tokens (:func:`laserlm.training.router.certify_router`) and check it on the
     last 20 %. Cheap, so it runs on every calibration (a new target re-labels and re-certifies)."""
-    from .router import RouterData, certify_router, labels_of, route_report  # noqa: PLC0415
+    from .router import RouterData, certify_router, confidence_candidates, labels_of, route_report  # noqa: PLC0415
 
     cfg, L, d = ctx["cfg"], ctx["L"], ctx["engine"].config.hidden_size
     saved = ctx["router_data"]
@@ -339,10 +339,8 @@ def _router_fit(ctx):
     pos = cfg.router_position
     if cfg.target_agreement is not None and cal.labels.numel():
         c = certify_router(router, cal.features[pos], cal.agree, target_agreement=cfg.target_agreement,
-                           delta=cfg.delta, method=cfg.p_value)
+                           delta=cfg.delta, candidates=confidence_candidates(router, fit.features[pos]))
         report["certificate"] = {k: v for k, v in c.to_dict().items() if k != "curve"}
-        report["certificate"]["note"] = (f"{c.n} positions from {cal.labels.numel()} prompts; a prompt's positions "
-                                         "share its route, so the effective sample is nearer the prompt count")
     else:  # a perplexity target: the router's losses are agreements only, so it is not certified and never routes
         router.confidence = 1.0
         report["certificate"] = None

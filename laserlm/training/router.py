@@ -12,11 +12,13 @@
 3. **Training** (:func:`train_router`): the focal loss (seed 004 §5.1) on the first split of the prompts.
 4. **Certification** (:func:`certify_router`): the router's confidence threshold is chosen on a second split by
    the same fixed-sequence test as the gate thresholds (:func:`laserlm.training.thresholds.fixed_sequence_test`):
-   per continuation position, the loss is 1 where the request's route disagrees with the full model's greedy
-   token (a full-depth request: 0), so the certified threshold keeps top-1 agreement with the full model at the
-   target with probability ``>= 1 - delta``, assuming new prompts are exchangeable with the calibration prompts.
-   Positions of one prompt share its route, so they are correlated: the effective sample is nearer the number of
-   prompts, which the report states.
+   a prompt's loss is the share of its continuation positions where its route disagrees with the full model's
+   greedy token (a full-depth request: 0), so the certified threshold keeps the mean top-1 agreement with the full
+   model at the target with probability ``>= 1 - delta``, assuming new prompts are exchangeable with the
+   calibration prompts.
+   Positions of one prompt share its route, so each prompt gives one loss (its share of disagreeing positions) and
+   the test is the Hoeffding-Bentkus one for bounded losses over prompts; the candidate thresholds come from the
+   prompts the router was fitted on, not the calibration prompts.
 """
 
 from __future__ import annotations
@@ -186,33 +188,39 @@ def train_router(router: DynamicRouter, features: torch.Tensor, labels: torch.Te
 
 
 def route_losses(decisions: torch.Tensor, agree: torch.Tensor) -> torch.Tensor:
-    """``[P * m]`` float64: 1 where a prompt's route (``decisions [P]``) disagrees with the full model at a
-    continuation position of ``agree [P, R, m]``; a full-depth prompt contributes zeros (it *is* the reference)."""
+    """``[P]`` float64: each prompt's share of continuation positions where its route (``decisions [P]``) disagrees
+    with the full model (``agree [P, R, m]``); a full-depth prompt loses 0 (it *is* the reference). One loss per
+    prompt, because the positions of a prompt share its route and are not independent evidence."""
     full = agree.shape[1] - 1
     got = agree[torch.arange(agree.shape[0]), decisions]  # [P, m]
     wrong = ~got & (decisions != full).unsqueeze(-1)
-    return wrong.reshape(-1).double()
+    return wrong.double().mean(-1)
 
 
 def confidence_candidates(router: DynamicRouter, features: torch.Tensor) -> list[float]:
     """Confidence thresholds from strict to loose: 1.0 (never route; the rule is ``p > confidence``), then just
-    below each distinct top probability of a shallower route on ``features``, descending."""
-    with torch.no_grad():
-        p, r = torch.softmax(router(features), -1).max(-1)
+    below each distinct top probability of a shallower route on ``features`` (the *fit* prompts, so the sequence is
+    fixed before the calibration prompts are seen), descending; float64, like :meth:`DynamicRouter.decide`."""
+    p, r = router.probabilities(features).max(-1)
     probs = sorted({float(x) for x, ri in zip(p.tolist(), r.tolist()) if ri != router.full}, reverse=True)
     return [1.0] + [math.nextafter(x, 0.0) for x in probs if x <= 1.0]
 
 
 def certify_router(router: DynamicRouter, features: torch.Tensor, agree: torch.Tensor, *, target_agreement: float,
-                   delta: float = 0.1, method: str | None = None) -> Calibration:
+                   delta: float = 0.1, candidates: list[float] | None = None) -> Calibration:
     """The loosest confidence threshold whose route disagreement is certified ``<= 1 - target_agreement`` at level
     ``delta`` on the calibration prompts (``features [P, d]``, ``agree [P, R, m]``); sets ``router.confidence``
     (1.0 when nothing is certified: every request runs full depth).
 
+    Each prompt contributes one loss in [0, 1] (:func:`route_losses`), tested with the Hoeffding-Bentkus p-value
+    (valid for bounded losses), so the guarantee is about prompts exchangeable with the calibration prompts.
+    ``candidates``: from strict to loose, chosen without the calibration prompts (:func:`confidence_candidates` on
+    the fit prompts); default: from ``features`` themselves (then the sequence depends on the data it is tested on).
+
     Raises:
         InvalidArgumentError: target or delta out of range, no calibration prompts.
     """
-    target, method = resolve_target(target_agreement, None, delta, method)
+    target, _ = resolve_target(target_agreement, None, delta, None)
     if features.shape[0] == 0:
         raise InvalidArgumentError("router certification needs calibration prompts")
 
@@ -220,7 +228,9 @@ def certify_router(router: DynamicRouter, features: torch.Tensor, agree: torch.T
         d = router.decide(features, conf)
         return route_losses(d, agree), float((d != router.full).double().mean())
 
-    cal = fixed_sequence_test(confidence_candidates(router, features), losses_at, target, delta, method)
+    cands = confidence_candidates(router, features) if candidates is None else candidates
+    cal = fixed_sequence_test(cands, losses_at, target, delta, "hoeffding_bentkus", what="router confidence",
+                              none_means="every request runs full depth", unit="prompts")
     router.confidence = 1.0 if cal.threshold is None else float(cal.threshold)
     return cal
 

@@ -224,7 +224,8 @@ def resolve_target(target_agreement: float | None, max_ppl_increase: float | Non
 
 
 def fixed_sequence_test(candidates: list[float], losses_at, target: dict, delta: float, method: str,
-                        on_test=None) -> Calibration:
+                        on_test=None, what: str = "gate threshold", none_means: str = "tokens never exit (full depth)",
+                        unit: str = "positions") -> Calibration:
     """Learn-then-Test fixed-sequence testing over ``candidates`` (strict to loose).
 
     Args:
@@ -234,6 +235,8 @@ def fixed_sequence_test(candidates: list[float], losses_at, target: dict, delta:
             the decoding the guarantee is about happens: replayed exact states, or real ``propagate`` decoding.
         target: from :func:`resolve_target`; ``delta``, ``method``: as in :func:`calibrate_threshold`.
         on_test: optional ``fn(curve_entry)`` called after each tested candidate (progress reporting).
+        what / none_means / unit: the guarantee sentence's words for the parameter, for "nothing certified", and
+            for one loss (defaults: the gate threshold's).
 
     Returns:
         :class:`Calibration` with the loosest threshold whose null hypothesis ``risk > alpha`` was rejected.
@@ -261,16 +264,15 @@ def fixed_sequence_test(candidates: list[float], losses_at, target: dict, delta:
         chosen, chosen_risk, chosen_p = lam, risk, p
     target_agreement = target["value"] if kind == "agreement" else None
     max_ppl_increase = target["value"] if kind != "agreement" else None
-    what = (f"top-1 agreement with the full model >= {target_agreement:g}" if kind == "agreement"
-            else f"perplexity increase <= {max_ppl_increase:.1%} (mean NLL increase <= {alpha:.4f} nats)")
+    claim = (f"top-1 agreement with the full model >= {target_agreement:g}" if kind == "agreement"
+             else f"perplexity increase <= {max_ppl_increase:.1%} (mean NLL increase <= {alpha:.4f} nats)")
     if chosen is None:
-        guarantee = (f"no threshold could be certified for {what} at delta={delta:g} on {n} positions: "
-                     "tokens never exit (full depth)")
+        guarantee = f"no threshold could be certified for {claim} at delta={delta:g} on {n} {unit}: {none_means}"
     else:
         kind_txt = "asymptotic (CLT) " if method == "clt" else ""
-        guarantee = (f"with probability >= {1 - delta:g}, {what} at gate threshold {chosen:.4g} "
+        guarantee = (f"with probability >= {1 - delta:g}, {claim} at {what} {chosen:.4g} "
                      f"({kind_txt}{method} p-value {chosen_p:.3g}, fixed-sequence test on {n} calibration "
-                     "positions, assuming new positions are exchangeable with them)")
+                     f"{unit}, assuming new {unit} are exchangeable with them)")
     return Calibration(chosen, target, delta, method, n, chosen_risk, chosen_p, tested, guarantee, curve)
 
 

@@ -10,5 +10,8 @@ laserlm calibrate $common --target-agreement 0.95 -o $W/t95.laser.safetensors > 
 laserlm calibrate $common --no-predictor --target-agreement 0.70 -o $W/t70.laser.safetensors > $W/t70.json
 laserlm calibrate $common --no-predictor --target-agreement 0.60 -o $W/t60.laser.safetensors > $W/t60.json
 # every route's decode speed (alone), and the certified mix at 0.70
-PYTHONPATH=. python benchmarks/bench_router.py --laser $W/t70.laser.safetensors --summary $W/t70.json \
+PYTHONPATH=. python benchmarks/bench_router.py --laser $W/t70.laser.safetensors \
   --out benchmarks/out/router/speed_t70.json
+# the same with the mean of the prompt's layer-1 states as the feature (mean_t*.json): add --router-position mean
+# the certified mixes' decode speed (certified_mix.json): the held-out route distribution of each t*.json weighted by
+# the forced-route speeds of speed_t70.json (harmonic mean)
