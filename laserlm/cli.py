@@ -258,12 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluation import cli as eval_cli  # noqa: PLC0415
     from .export import cli as export_cli  # noqa: PLC0415
     from .profiling import cli as profile_cli  # noqa: PLC0415
+    from .report import cli as report_cli  # noqa: PLC0415
     from .serve import cli as serve_cli  # noqa: PLC0415
     from .training import cli as training_cli  # noqa: PLC0415
 
     eval_cli.add_parser(sub)
     bench_cli.add_parser(sub)
-    bench_cli.add_report_parser(sub)
+    report_cli.add_parser(sub)
     for module in (training_cli, profile_cli, serve_cli, export_cli):
         module.add_parser(sub)
     return parser

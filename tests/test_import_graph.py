@@ -15,8 +15,9 @@ counted on their own). Layers, bottom first (a module may import its own layer a
 | 5 | api | ``laserlm`` (package root), ``laserlm.api``, ``laserlm.defaults`` (calibrated defaults of bare mode specs) |
 | 6 | tool helpers | ``laserlm.cli_common`` (CLI helpers shared by the tools' subcommands and the CLI), ``laserlm.reports`` (report helpers of ``eval`` and ``bench``) |
 | 7 | tools | ``laserlm.training.*``, ``laserlm.evaluation.*``, ``laserlm.bench.*``, ``laserlm.profiling.*``, ``laserlm.serve.*``, ``laserlm.export.*`` |
-| 8 | cli | ``laserlm.cli`` |
-| 9 | entry | ``laserlm.__main__`` (``python -m laserlm``) |
+| 8 | reports | ``laserlm.report.*`` (reports that drive several tools, e.g. ``report seeds``) |
+| 9 | cli | ``laserlm.cli`` |
+| 10 | entry | ``laserlm.__main__`` (``python -m laserlm``) |
 
 Within a layer, packages are siblings and may not import each other (depth, speculative and attention; training,
 evaluation and bench), except the edges in :data:`ALLOWED_SIBLING_EDGES`: ``speculative -> depth`` (the
@@ -50,8 +51,9 @@ LAYERS = [  # (rank, layer name, package prefixes or exact module names)
     (6, "tool helpers", ("laserlm.cli_common", "laserlm.reports")),
     (7, "tools", ("laserlm.training", "laserlm.evaluation", "laserlm.bench", "laserlm.profiling",
                   "laserlm.serve", "laserlm.export")),
-    (8, "cli", ("laserlm.cli",)),
-    (9, "entry", ("laserlm.__main__",)),
+    (8, "reports", ("laserlm.report",)),
+    (9, "cli", ("laserlm.cli",)),
+    (10, "entry", ("laserlm.__main__",)),
 ]
 # sibling packages of one layer that may import the other (from, to); keep minimal and acyclic
 ALLOWED_SIBLING_EDGES = {("laserlm.speculative", "laserlm.depth"), ("laserlm", "laserlm.api"),

@@ -1,4 +1,4 @@
-"""``laserlm report seeds`` (laserlm.bench.seeds) on a tiny random model: every row of both seed tables and the
+"""``laserlm report seeds`` (laserlm.report.seeds) on a tiny random model: every row of both seed tables and the
 scenarios is produced, each with our figure or the reason it has none; the figures are what they claim to be."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from laserlm.bench.seeds import SEED_000, SEED_004, SEED_SCENARIOS, SeedsConfig, format_markdown, run_seeds
+from laserlm.report.seeds import SEED_000, SEED_004, SEED_SCENARIOS, SeedsConfig, format_markdown, run_seeds
 from laserlm.errors import InvalidArgumentError
 
 
