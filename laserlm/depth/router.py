@@ -89,6 +89,17 @@ def runs(kept) -> list[tuple[int, int]]:
     return out
 
 
+def run_after_router_layer(engine, kept, h1: torch.Tensor, state) -> torch.Tensor:
+    """Run a route's ``kept`` layers after the router's layer (the states ``h1 [B, T, d]`` after it, which every
+    route shares) and return the last kept layer's states."""
+    h = h1
+    for a, b in runs(kept):
+        a = max(a, ROUTER_LAYER)
+        if a < b:
+            h = engine.run_layers(a, b, h, state)
+    return h
+
+
 def router_feature(h1: torch.Tensor, position: str) -> torch.Tensor:
     """``[d]`` float32 feature of one prompt from ``h1 [T, d]``, its hidden states after layer 1.
 
@@ -211,7 +222,6 @@ class RoutedDepth(Mode):
         if confidence is not None and not 0.0 <= confidence <= 1.0:
             raise InvalidArgumentError(f"router confidence must be in [0, 1], got {confidence}")
         self.confidence = router.confidence if confidence is None else float(confidence)
-        self._runs = [runs(r.kept) for r in self.routes]
 
     def describe(self) -> str:
         return f"routed(routes={len(self.routes)}, position={self.router.position}, confidence={self.confidence:g})"
@@ -230,17 +240,15 @@ class RoutedDepth(Mode):
         return int(self.router.decide(feat, self.confidence)[0])
 
     @torch.inference_mode()
-    def _forward(self, engine, ids: torch.Tensor, route: int | None, start, cache, last: bool):
-        """``ids [T]`` through layer 0, then (route chosen here when ``route`` is None) the route's other layers;
-        returns ``(logits [T or 1, V] float32, route)``."""
+    def _forward(self, engine, ids: torch.Tensor, route: int | None, start, cache, last: bool,
+                 read: int | None = None):
+        """``ids [T]`` through layer 0, then (route chosen here from the first ``read`` positions' states, default
+        all, when ``route`` is None) the route's other layers; returns ``(logits [T or 1, V] float32, route)``."""
         h, st = engine.begin(ids.reshape(1, -1), start=start, cache=cache, use_cache=cache is not None)
-        h = engine.run_layers(0, 1, h, st)
+        h = engine.run_layers(0, ROUTER_LAYER, h, st)
         if route is None:
-            route = self.choose(engine, h[0])
-        for a, b in self._runs[route]:
-            a = max(a, 1)
-            if a < b:
-                h = engine.run_layers(a, b, h, st)
+            route = self.choose(engine, h[0, :read])
+        h = run_after_router_layer(engine, self.routes[route].kept, h, st)
         engine.commit(st)
         if last:
             h = h[:, -1:]
@@ -272,8 +280,5 @@ class RoutedDepth(Mode):
         """Teacher-forced logits ``[T, V]`` on the route picked from the first :data:`ROUTER_PROMPT` tokens (a
         scored sequence has no prompt of its own; for a short context followed by a scored continuation the route
         may read continuation tokens, so two continuations of one context can be scored on different routes)."""
-        ids = input_ids.reshape(-1)
-        h, st = engine.begin(ids[:ROUTER_PROMPT].reshape(1, -1), use_cache=False)
-        route = self.choose(engine, engine.run_layers(0, 1, h, st)[0])
-        logits, _ = self._forward(engine, ids, route, None, None, False)
+        logits, route = self._forward(engine, input_ids.reshape(-1), None, None, None, False, read=ROUTER_PROMPT)
         return ScoreOutput(logits, torch.full((logits.shape[0],), float(len(self.routes[route].kept))))

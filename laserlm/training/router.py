@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..depth.router import POSITIONS, ROUTER_LAYER, DynamicRouter, Route, router_feature, runs
+from ..depth.router import POSITIONS, ROUTER_LAYER, DynamicRouter, Route, router_feature, run_after_router_layer
 from ..errors import InvalidArgumentError
 from ..runtime.loop import greedy_ids
 from ..runtime.modes import FullDepth
@@ -95,11 +95,7 @@ def route_agreement(engine, heads: dict, routes: list[Route], prompt_ids: torch.
         if len(r.kept) == L:
             rows.append(torch.ones(m, dtype=torch.bool))
             continue
-        h = h1
-        for a, b in runs(r.kept):
-            a = max(a, ROUTER_LAYER)
-            if a < b:
-                h = engine.run_layers(a, b, h, st)
+        h = run_after_router_layer(engine, r.kept, h1, st)
         head = engine.head if r.exit is None else heads[r.exit]
         rows.append(head(h[0, p - 1: p - 1 + m]).argmax(-1) == continuation)
     return torch.stack(rows), h1[0, :p].float()
