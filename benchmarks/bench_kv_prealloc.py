@@ -1,12 +1,21 @@
-"""KV pool pre-allocation, full vs staged (seed 004 §3.2's progressive pre-allocation): memory and step latency.
+"""KV memory strategies A/B: the paged pool pre-allocated full or staged (seed 004 §3.2's progressive
+pre-allocation) against plain per-request allocation (``kv_prealloc=request``, the baseline of the seed's
+P99 387 -> 213 ms): memory and step latency.
 
 Each configuration runs in its own process (peak RSS is per process): the model is loaded, then a
-:class:`laserlm.runtime.scheduler.Scheduler` with ``--kv-budget`` and ``kv_prealloc`` full or staged runs a workload
-of WikiText-2 test paragraphs (``--prompt-tokens`` each, ``--new-tokens`` greedy tokens, EOS ignored) at two loads:
-``light`` (one request at a time) and ``heavy`` (``--docs`` requests submitted at once, ``--max-batch`` running).
-Reported per configuration: peak RSS of the process and its RSS after the model loaded (before any pool), the
-arena's bytes at the end, the arena growths, wall time, and P50/P99 of the scheduler's step time. Configurations
-alternate over ``--rounds`` rounds (full, staged, full, staged, ...).
+:class:`laserlm.runtime.scheduler.Scheduler` with ``--kv-budget`` and the configuration's ``kv_prealloc`` runs a
+workload of WikiText-2 test paragraphs (EOS ignored, greedy) at up to three loads: ``light`` (four requests of
+``--prompt-tokens`` + ``--new-tokens``, one at a time), ``heavy`` (``--docs`` such requests submitted at once,
+``--max-batch`` running) and ``churn`` (the server's churn: ``--churn-requests`` requests of random prompt and output
+lengths, one arriving every ``--churn-gap`` scheduler steps, so requests join and leave the running batch all the
+time and per-request caches are allocated and freed throughout). Reported per configuration and load: wall time,
+P50/P99 of the scheduler's step time, the largest KV bytes held (arena, or the requests' own caches), the arena
+growths; per configuration: peak RSS of the process and its RSS after the model loaded (before any pool).
+
+Configurations (``--configs``): ``full``, ``staged``, ``request``; a ``-pt`` suffix turns the engine's compiled
+layers off (every layer on the PyTorch path), which separates the allocation strategy from the kernel: the pool's
+batched rows run the compiled paged kernel, per-request rows cannot (they are not in one arena) and take the
+PyTorch path with a padded gather. Configurations alternate over ``--rounds`` rounds.
 
 Usage (run alone; record ``uptime`` before and after)::
 
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import resource
 import statistics
 import subprocess
@@ -42,6 +52,9 @@ def child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     lm = laserlm.load(args.model, weights=args.weights, threads=args.threads)
+    prealloc = args.child.removesuffix("-pt")
+    if args.child.endswith("-pt"):
+        lm.engine.native_layers = False
     docs = []
     for line in Path(args.data).read_text(encoding="utf-8").splitlines():
         line = line.strip()
@@ -53,29 +66,47 @@ def child(args) -> dict:
             break
     rss_loaded = rss_mib()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    out = {"prealloc": args.child, "rss_loaded_mib": round(rss_loaded, 1)}
+    out = {"config": args.child, "prealloc": prealloc, "compiled_layers": not args.child.endswith("-pt"),
+           "rss_loaded_mib": round(rss_loaded, 1)}
     sched = Scheduler(lm.engine, BatchConfig(kv_budget=args.kv_budget, max_batch=args.max_batch,
-                                             kv_prealloc=args.child, prefix_cache=False))
+                                             kv_prealloc=prealloc, prefix_cache=False))
     out["rss_pool_created_mib"] = round(rss_mib(), 1)
-    for load in ("light", "heavy"):
-        steps = []
+    rng = random.Random(args.seed)
+    churn = [(torch.tensor(docs[i % len(docs)][:rng.randint(8, args.prompt_tokens)]),
+              SamplingParams(max_new_tokens=rng.randint(8, 2 * args.new_tokens), temperature=0.0, ignore_eos=True))
+             for i in range(args.churn_requests)]
+    for load in args.loads.split(","):
+        steps, kv_peak, arrivals = [], 0, []
+        if load == "light":
+            arrivals = [[(torch.tensor(d), params)] for d in docs[:4]]
+        elif load == "heavy":
+            arrivals = [[(torch.tensor(d), params) for d in docs]]
         t0 = time.perf_counter()
-        batches = [[d] for d in docs[:4]] if load == "light" else [docs]
-        for batch in batches:
-            for d in batch:
-                sched.submit(torch.tensor(d), params)
+        if load == "churn":  # one arrival every --churn-gap steps, whatever is running
+            queue = list(churn)
+            while queue or sched.has_unfinished:
+                if queue and (len(steps) % args.churn_gap == 0 or not sched.has_unfinished):
+                    sched.submit(*queue.pop(0))
+                s = time.perf_counter()
+                sched.step()
+                steps.append(time.perf_counter() - s)
+                kv_peak = max(kv_peak, sched.kv_bytes)
+        for batch in arrivals:
+            for ids, prm in batch:
+                sched.submit(ids, prm)
             while sched.has_unfinished:
                 s = time.perf_counter()
                 sched.step()
                 steps.append(time.perf_counter() - s)
+                kv_peak = max(kv_peak, sched.kv_bytes)
         wall = time.perf_counter() - t0
         steps.sort()
         out[load] = {"wall_s": round(wall, 3), "steps": len(steps),
                      "step_p50_ms": round(1e3 * statistics.median(steps), 2),
                      "step_p99_ms": round(1e3 * steps[min(len(steps) - 1, int(0.99 * len(steps)))], 2),
-                     "arena_mib": round(sched.pool.nbytes / 2**20, 1), "pages_allocated": sched.pool.capacity,
-                     "pages_budget": sched.pool.num_pages, "growths": sched.pool.stats["arena_growths"],
-                     "rss_mib": round(rss_mib(), 1)}
+                     "kv_peak_mib": round(kv_peak / 2**20, 1), "arena_mib": round(sched.pool.nbytes / 2**20, 1),
+                     "pages_allocated": sched.pool.capacity, "pages_budget": sched.pool.num_pages,
+                     "growths": sched.pool.stats["arena_growths"], "rss_mib": round(rss_mib(), 1)}
     out["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return out
 
@@ -91,17 +122,27 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--configs", default="full,staged",
+                    help="comma-separated: full, staged, request, each optionally with -pt (compiled layers off)")
+    ap.add_argument("--loads", default="light,heavy", help="comma-separated: light, heavy, churn (in this order)")
+    ap.add_argument("--churn-requests", type=int, default=48)
+    ap.add_argument("--churn-gap", type=int, default=8, help="scheduler steps between two arrivals of the churn load")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default="../shared/data/wikitext-2/test.txt")
     ap.add_argument("--out")
-    ap.add_argument("--child", choices=["full", "staged"], help=argparse.SUPPRESS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    configs = args.configs.split(",")
+    bad = [c for c in configs + ([args.child] if args.child else []) if c.removesuffix("-pt") not in ("full", "staged", "request")]
+    if bad or any(x not in ("light", "heavy", "churn") for x in args.loads.split(",")):
+        ap.error(f"unknown configuration or load: {bad or args.loads}")
     if args.child:
         print(json.dumps(child(args)))
         return
     argv = [a for a in sys.argv[1:]]
     runs = []
     for r in range(args.rounds):
-        for pre in ("full", "staged"):
+        for pre in configs:
             res = subprocess.run([sys.executable, __file__, *argv, "--child", pre], capture_output=True, text=True)
             if res.returncode:
                 raise SystemExit(res.stderr[-2000:])

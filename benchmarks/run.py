@@ -70,6 +70,11 @@ SCENARIOS = {
                            out_flag=None),
     "kv-prealloc": Scenario("bench_kv_prealloc.py", ["--data", f"{DATA}/wikitext-2/test.txt", "--rounds", "2"],
                             "KV pool arena pre-allocated full vs staged: peak RSS and step latency", needs=["data"]),
+    "kv-alloc": Scenario("bench_kv_prealloc.py", ["--data", f"{DATA}/wikitext-2/test.txt", "--rounds", "2",
+                                                  "--configs", "full,staged,request,full-pt,request-pt",
+                                                  "--loads", "light,heavy,churn"],
+                         "the paged pool against per-request allocation under churn: step P50/P99, peak RSS",
+                         needs=["data"]),
     "load": Scenario("bench_load.py", ["--models", "smollm2-135m", "gemma3-270m"],
                      "load time and peak RSS, cold and warm"),
 }

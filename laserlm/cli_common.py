@@ -303,9 +303,11 @@ def add_batch_args(p, queue_help: str | None = None) -> None:
     g.add_argument("--eviction", default=None, metavar="POLICY",
                    help="none, streaming[:sinks=4,window=256] or depth_lru[:budget=512,sinks=4,recent=64]")
     g.add_argument("--no-prefix-cache", action="store_true", help="do not share prompt pages between requests")
-    g.add_argument("--kv-prealloc", choices=["full", "staged"], default="full",
+    g.add_argument("--kv-prealloc", choices=["full", "staged", "request"], default="full",
                    help="full: allocate the whole --kv-budget at start; staged: start at 1024 pages and double up "
-                        "to the budget as load grows (seed 004's progressive pre-allocation) (default: full)")
+                        "to the budget as load grows (seed 004's progressive pre-allocation); request: no pool, each "
+                        "request allocates its own contiguous KV cache when admitted and frees it when done (the "
+                        "baseline the pool is measured against; no prefix cache or eviction) (default: full)")
     return g
 
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from test_kv_pool import tiny_gemma3, tiny_llama
+from test_kv_pool import ids_of, tiny_gemma3, tiny_llama
 
 from laserlm.depth import AdaptiveDepth  # noqa: F401  (the adaptive mode is built through make_mode)
 from laserlm.errors import ContextLengthError, InvalidArgumentError, PoolFullError
@@ -478,3 +478,54 @@ def test_staged_preallocation_admits_what_the_full_arena_admits(monkeypatch):
     assert grew == 6 and below > 0
     with pytest.raises(InvalidArgumentError, match="kv_prealloc must be one of"):
         BatchConfig(kv_prealloc="lazy").validate()
+
+
+def test_per_request_allocation_matches_the_pool_and_frees_each_cache():
+    """Per-request allocation (``kv_prealloc="request"``, the baseline seed 004 measures its pool against): on random
+    plans it admits and refuses exactly what the pooled scheduler does and every request gets the same tokens (the
+    batched rows read their own contiguous caches through a padded gather); each request's cache exists only while
+    it runs, so the KV bytes held equal the running requests' caches and fall to the (empty) arena at the end."""
+    engine = tiny_llama()
+    for seed in range(4):
+        full = _staged_plan(engine, "full", seed)
+        own = _staged_plan(engine, "request", seed)
+        assert own[0] == full[0] and own[1] == full[1], seed
+        assert own[2] == 0  # no arena pages at all
+    sched = Scheduler(engine, BatchConfig(kv_budget="400t", page_size=4, max_batch=4, kv_prealloc="request"))
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    rids = [sched.submit(ids_of(n, seed=n)[0], params) for n in (3, 9, 17)]
+    sched.step()
+    running = [sched.get(r).request.cache for r in rids]
+    a = engine.adapter
+    per_position = 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
+    assert sched.kv_bytes == per_position * sum(n + 6 for n in (3, 9, 17))  # the pool allocated nothing
+    assert sched.summary()["kv_prealloc"] == "request" and sched.stats["prefix_hit_tokens"] == 0
+    run_all(sched)
+    assert all(c.freed and c.nbytes == 0 for c in running)
+    assert sched.kv_bytes == 0 and sched.pool.reserved == 0
+    with pytest.raises(InvalidArgumentError, match="per-request allocation"):
+        Scheduler(engine, BatchConfig(kv_prealloc="request", eviction="streaming:window=32"))
+    with pytest.raises(InvalidArgumentError, match="holds no pages"):
+        sched.pool.allocate()
+
+
+def test_per_request_allocation_mixed_batch_equals_each_request_alone(smol):
+    """On the real model (its compiled layers run the pool's batched rows; per-request rows take the PyTorch path):
+    five requests of different lengths, three running at once, full depth greedy and sampled and adaptive depth,
+    each exactly its solo tokens."""
+    eng, tok = smol.engine, smol.tokenizer
+    ids = [torch.tensor(tok(p)["input_ids"]) for p in PROMPTS[:5]]
+    full = FullDepth()
+    adaptive = make_mode("adaptive:policy=confidence,threshold=0.9,patience=1,bridge=propagate", eng)
+    plan = [(full, SamplingParams(max_new_tokens=12, ignore_eos=True)),
+            (adaptive, SamplingParams(max_new_tokens=10, ignore_eos=True)),
+            (full, SamplingParams(max_new_tokens=9, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)),
+            (adaptive, SamplingParams(max_new_tokens=8, ignore_eos=True)),
+            (full, SamplingParams(max_new_tokens=14, ignore_eos=True))]
+    expected = [alone(eng, m, i, p, p.max_new_tokens) for (m, p), i in zip(plan, ids)]
+    sched = Scheduler(eng, BatchConfig(kv_budget="32MiB", max_batch=3, prefill_chunk=8, kv_prealloc="request"),
+                      smol.eos_ids)
+    rids = [sched.submit(i, p, m) for (m, p), i in zip(plan, ids)]
+    run_all(sched)
+    assert [[e.token_id for e in sched.get(r).events] for r in rids] == expected
+    assert sched.stats["batched_forwards"] > 0 and sched.kv_bytes == 0

@@ -314,11 +314,11 @@ class AdaptiveDepth(Mode):
         :mod:`laserlm.depth.batched`). So a batched row costs full depth, like every row of a batched forward on
         a memory-bound CPU, and its logits are its exit head's. Equal to :meth:`step` per request up to float
         rounding of batched matmuls."""
-        from ..runtime.kv_pool import PagedBatch  # noqa: PLC0415
+        from ..runtime.kv_pool import batch_of  # noqa: PLC0415
 
         L, n = engine.num_layers, len(requests)
         ids = torch.tensor([[r.last_token] for r in requests], dtype=torch.long)
-        h0, st = engine.begin(ids, cache=PagedBatch([r.cache for r in requests]))
+        h0, st = engine.begin(ids, cache=batch_of([r.cache for r in requests]))
         run = {"h": h0}
 
         def run_group(g, a, b, exited):

@@ -75,6 +75,7 @@ class KVCache(CachePositions):
         self.max_len = max_len
         self.batch_size = batch_size
         self.length = 0
+        self.freed = False
 
     def window(self, start: int | None, num_tokens: int) -> CacheWindow:
         """A write window for positions ``[start, start + num_tokens)`` (``start`` None: at ``length``).
@@ -86,6 +87,8 @@ class KVCache(CachePositions):
             ContextLengthError: the tokens do not fit in ``max_len``.
             InvalidArgumentError: ``start`` is negative or after the committed length.
         """
+        if self.freed:
+            raise InvalidArgumentError("this request's KV cache was freed (finished or cancelled)")
         start = self.check_write(start, num_tokens)
         return CacheWindow(self, start, start + num_tokens)
 
@@ -101,8 +104,15 @@ class KVCache(CachePositions):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the preallocated K and V tensors."""
+        """Bytes held by the preallocated K and V tensors (0 once freed)."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def free(self) -> None:
+        """Drop the K and V tensors, so their memory goes back to the allocator (a request's own cache when it
+        finishes under the scheduler's per-request allocation); idempotent. Writing afterwards is an error."""
+        self.k, self.v = [], []
+        self.length = 0
+        self.freed = True
 
 
 class CacheWindow:
@@ -128,3 +138,78 @@ class CacheWindow:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.start
+
+
+class RequestBatch:
+    """Several requests' own contiguous caches (one :class:`KVCache` of batch size 1 each) stepped together in one
+    batched forward: ``window(None, T)`` appends ``T`` positions to every row at its own length.
+
+    This is plain per-request allocation, the baseline that seed 004 §3.2 measures its memory pool against (and
+    what transformers' generate does): each request's cache is allocated when it is admitted and freed when it
+    finishes, so nothing is shared and nothing is paged. The scheduler uses it with ``kv_prealloc="request"``
+    (:class:`~laserlm.runtime.scheduler.BatchConfig`); :class:`~laserlm.runtime.kv_pool.PagedBatch` is the pool's
+    counterpart.
+
+    Raises:
+        InvalidArgumentError: no cache, or a cache of more than one row.
+    """
+
+    def __init__(self, caches: list[KVCache]):
+        if not caches or any(not isinstance(c, KVCache) or c.batch_size != 1 for c in caches):
+            raise InvalidArgumentError("a request batch needs at least one cache, each of one request (batch size 1)")
+        self.caches = caches
+        self.batch_size = len(caches)
+
+    def window(self, start, num_tokens: int) -> RequestBatchWindow:
+        if start is not None:
+            raise InvalidArgumentError("a batched forward appends to every row (start must be None)")
+        for c in self.caches:
+            if c.freed:
+                raise InvalidArgumentError("a request's KV cache was freed (finished or cancelled)")
+            c.check_write(None, num_tokens)
+        pos = torch.stack([torch.arange(c.length, c.length + num_tokens) for c in self.caches])
+        return RequestBatchWindow(self, pos)
+
+    def commit(self, window: RequestBatchWindow) -> None:
+        for c, end in zip(self.caches, window.ends.tolist()):
+            c.length = max(c.length, end)
+
+
+class RequestBatchWindow:
+    """The positions one batched forward writes in the rows of a :class:`RequestBatch` (transformers' ``Cache``
+    protocol).
+
+    ``update`` writes each row's new K/V into the row's own cache and returns every row's keys and values copied
+    into one zero-padded ``[B, n_kv, S, hd]`` tensor (``S``: the longest row's end). Key ``s`` of every row is at
+    absolute position ``s``, so the rows' query positions (``[B, T]``) mask what lies past a row's end.
+    The copy is the price of batching caches that are not paged (the pool's PyTorch path pays the same gather).
+
+    Attributes:
+        cache: the :class:`RequestBatch`.
+        positions: ``[B, T]`` absolute positions of the new tokens.
+        ends: ``[B]`` end of each row's window; ``end``: the largest.
+    """
+
+    def __init__(self, cache: RequestBatch, positions: torch.Tensor):
+        self.cache, self.positions = cache, positions
+        self.ends = positions[:, -1] + 1
+        self.start = None
+        self.end = int(self.ends.max())
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write ``key_states``/``value_states`` ``[B, n_kv, T, hd]`` of layer ``layer_idx`` into each row's cache;
+        return the rows' K and V ``[B, n_kv, S, hd]`` (zero past a row's end, which the positions mask)."""
+        b, n_kv, _, hd = key_states.shape
+        k = key_states.new_zeros(b, n_kv, self.end, hd)
+        v = value_states.new_zeros(b, n_kv, self.end, hd)
+        for r, c in enumerate(self.cache.caches):
+            s, e = int(self.positions[r, 0]), int(self.ends[r])
+            ck, cv = c.k[layer_idx], c.v[layer_idx]
+            ck[0, :, s:e] = key_states[r]
+            cv[0, :, s:e] = value_states[r]
+            k[r, :, :e] = ck[0, :, :e]
+            v[r, :, :e] = cv[0, :, :e]
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.positions[0, 0])

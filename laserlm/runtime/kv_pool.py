@@ -15,7 +15,10 @@ needed and none is free or cached (cached prefix pages are reused first, so the 
 traffic so far): a step allocates the larger arena and copies the pages in use (page numbers do not change, so no
 table is rewritten). Admission counts the budget, not the arena, so a staged pool admits exactly the requests
 a full one does; memory follows the load. A growth holds both arenas for the copy (at most 1.5x the budget for that
-moment). A *page* holds ``page_size`` consecutive
+moment). ``prealloc="request"`` keeps no arena at all (only the null page): it is the baseline the pool is measured
+against, plain per-request allocation, where the scheduler gives each admitted request its own contiguous
+:class:`~laserlm.runtime.kv_cache.KVCache` (prompt + ``max_tokens`` positions) and frees it when the request
+finishes; the pool then only keeps the budget's accounting (admission is the same). A *page* holds ``page_size`` consecutive
 positions of **one** decoder layer; page 0 is the null page (never handed out; padding of batched gathers).
 Every request owns a :class:`PagedCache`: a page table ``[num_layers, max_pages]`` (physical page of each
 logical page, per layer; 0 = no page). Pages are taken on demand as the request's positions grow and all go
@@ -71,11 +74,11 @@ import torch
 
 from ..errors import InvalidArgumentError, PoolFullError
 from . import attention as attn
-from .kv_cache import CachePositions
+from .kv_cache import CachePositions, KVCache, RequestBatch
 
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_BUDGET = "512MiB"
-PREALLOC = ("full", "staged")
+PREALLOC = ("full", "staged", "request")
 STAGED_FIRST_PAGES = 1024  # the first arena of a staged pool: 16k positions of one layer at the default page size
 
 
@@ -172,7 +175,7 @@ class KVPool:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.prealloc = prealloc
-        self.capacity = num_pages if prealloc == "full" else min(num_pages, first_pages)
+        self.capacity = {"full": num_pages, "staged": min(num_pages, first_pages), "request": 0}[prealloc]
         shape = (num_kv_heads, self.capacity + 1, page_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
@@ -191,7 +194,7 @@ class KVPool:
     @classmethod
     def for_engine(cls, engine, budget=None, page_size: int = DEFAULT_PAGE_SIZE, prealloc: str = "full") -> KVPool:
         """A pool for ``engine``'s model holding ``budget`` (see :func:`parse_budget`; default 512 MiB), its arena
-        pre-allocated ``full`` or ``staged``."""
+        pre-allocated ``full`` or ``staged`` (or none: ``request``, see the module docstring)."""
         a = engine.adapter
         if not isinstance(page_size, int) or page_size <= 0:
             raise InvalidArgumentError(f"page size must be a positive integer, got {page_size!r}")
@@ -233,7 +236,8 @@ class KVPool:
 
     def describe(self) -> str:
         mib = self.num_pages * self.page_bytes / 2**20
-        staged = "" if self.prealloc == "full" else f", staged: {self.capacity} allocated"
+        staged = {"full": "", "staged": f", staged: {self.capacity} allocated",
+                  "request": ", allocated per request"}[self.prealloc]
         return f"{self.budget_text} = {self.num_pages} pages of {self.page_size} positions ({mib:.1f} MiB{staged})"
 
     def fragmentation(self) -> dict:
@@ -253,6 +257,9 @@ class KVPool:
         Raises:
             PoolFullError: every page is referenced.
         """
+        if self.prealloc == "request":
+            raise InvalidArgumentError("a pool with per-request allocation holds no pages (each request owns a "
+                                       "contiguous KV cache; kv_prealloc full or staged page the KV)")
         if not self._free and not self._cached and self.capacity < self.num_pages:  # staged: grow only when the
             self._grow()  # arena is full of live pages (cached prefixes are reused first, so memory follows the load)
         if self._free:
@@ -589,6 +596,20 @@ class PagedBatch:
             c.length = max(c.length, end)
             if c.eviction is not None:
                 c.eviction.apply(c)
+
+
+def batch_of(caches: list):
+    """The batch object a batched forward opens its window on: a :class:`PagedBatch` for paged caches, a
+    :class:`~laserlm.runtime.kv_cache.RequestBatch` for requests' own contiguous caches (per-request allocation).
+
+    Raises:
+        InvalidArgumentError: no cache, caches of both kinds, or paged caches of different pools.
+    """
+    if caches and all(isinstance(c, KVCache) for c in caches):
+        return RequestBatch(caches)
+    if any(isinstance(c, KVCache) for c in caches):
+        raise InvalidArgumentError("a batch mixes paged caches and per-request caches")
+    return PagedBatch(caches)
 
 
 class PagedWindow:

@@ -114,10 +114,10 @@ class FullDepth(Mode):
     def step_batch(self, engine, requests) -> list[list[Emitted]]:
         """One token for each of ``requests`` (paged caches) in one batched forward, each row at its own position
         with its own sampling parameters and RNG."""
-        from .kv_pool import PagedBatch  # noqa: PLC0415
+        from .kv_pool import batch_of  # noqa: PLC0415
 
         ids = torch.tensor([[r.last_token] for r in requests], dtype=torch.long)
-        h, st = engine.begin(ids, cache=PagedBatch([r.cache for r in requests]))
+        h, st = engine.begin(ids, cache=batch_of([r.cache for r in requests]))
         h = engine.run_layers(0, engine.num_layers, h, st)
         engine.commit(st)
         logits = engine.head(h)[:, -1]  # [B, V]

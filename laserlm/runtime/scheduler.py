@@ -67,8 +67,11 @@ class BatchConfig:
         prefix_cache: share full prompt pages between requests (default True).
         compact_every: finished requests between fragmentation checks (the seed's every-N rule; default 100).
         compact_threshold: external fragmentation above which the check compacts the pool (default 0.25).
-        kv_prealloc: ``full`` (the arena holds the budget from the start) or ``staged`` (it grows with the load up
-            to the budget; :class:`~laserlm.runtime.kv_pool.KVPool`).
+        kv_prealloc: ``full`` (the arena holds the budget from the start), ``staged`` (it grows with the load up
+            to the budget; :class:`~laserlm.runtime.kv_pool.KVPool`) or ``request`` (no pool: each admitted request
+            allocates its own contiguous KV cache of prompt + ``max_tokens`` positions and frees it when it
+            finishes; the baseline seed 004 §3.2 measures the pool against; admission still counts the budget; no
+            prefix cache, no eviction).
     """
 
     kv_budget: object = None
@@ -167,12 +170,17 @@ class Scheduler:
         self.config = (config or BatchConfig()).validate()
         self.pool = KVPool.for_engine(engine, self.config.kv_budget, self.config.page_size, self.config.kv_prealloc)
         self.eviction = parse_eviction(self.config.eviction)
+        self._per_request = self.config.kv_prealloc == "request"
+        if self.eviction is not None and self._per_request:
+            raise InvalidArgumentError("KV eviction drops pages of the paged pool; per-request allocation "
+                                       "(kv_prealloc request) has none: use kv_prealloc full or staged")
         if self.eviction is not None and engine.kernel is not None:
             raise InvalidArgumentError("KV eviction does not combine with block-sparse attention (use dense)")
         self.eos_ids = frozenset(int(i) for i in eos_ids)
         # under eviction a prompt's kept pages depend on how it was chunked, so a shared prefix would not give the
         # cold run's logits: the prefix cache is off then
-        self._prefix_cache = self.config.prefix_cache and self.eviction is None
+        # (per-request caches share nothing: no prefix cache either)
+        self._prefix_cache = self.config.prefix_cache and self.eviction is None and not self._per_request
         self._full = FullDepth()  # the mode of requests submitted without one: one object, so that they batch
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -316,7 +324,9 @@ class Scheduler:
             self.waiting.popleft()
             pool.reserved += seq.reserved
             req = seq.request
-            req.cache = PagedCache(pool, req.prompt_ids.numel() + req.max_tokens, self.eviction)
+            positions = req.prompt_ids.numel() + req.max_tokens
+            req.cache = (self.engine.new_cache(positions) if self._per_request
+                         else PagedCache(pool, positions, self.eviction))
             key = seq.mode.prefill_key
             if self._prefix_cache and key is not None:
                 req.prefilled = req.cache.attach_prefix(req.prompt_ids.tolist(), key)
@@ -452,10 +462,18 @@ class Scheduler:
             return self.pool.compact()
         return 0
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of KV memory held now: the pool's allocated pages (not its null page), plus every running request's
+        own cache under per-request allocation."""
+        own = sum(s.request.cache.nbytes for s in self.running if self._per_request and s.request.cache is not None)
+        return self.pool.capacity * self.pool.page_bytes + own
+
     def summary(self) -> dict:
         """Pool and scheduler counters (pages, reservations, prefix hits, evictions, fragmentation)."""
         p = self.pool
-        return {"pages_total": p.num_pages, "pages_allocated": p.capacity, "pages_used": p.used_pages,
+        return {"kv_prealloc": p.prealloc, "kv_bytes": self.kv_bytes,
+                "pages_total": p.num_pages, "pages_allocated": p.capacity, "pages_used": p.used_pages,
                 "pages_cached": p.cached_pages,
                 "pages_reserved": p.reserved, "page_size": p.page_size, "running": len(self.running),
                 "waiting": len(self.waiting), "finished": self.finished_count, **self.stats, **p.stats,

@@ -42,8 +42,9 @@ class ServerMetrics:
         self.kv_usage = Gauge("laserlm:kv_cache_usage_perc", "Fraction of KV pool pages in use (0-1).", registry=r)
         self.kv_reserved = Gauge("laserlm:kv_cache_reserved_perc",
                                  "Fraction of KV pool pages reserved by admitted requests (0-1).", registry=r)
-        self.kv_bytes = Gauge("laserlm:kv_cache_capacity_bytes", "Bytes of the KV pool's pages allocated now (the "
-                              "budget; less while a staged pool has not grown to it).",
+        self.kv_bytes = Gauge("laserlm:kv_cache_capacity_bytes", "Bytes of KV memory allocated now: the pool's "
+                              "arena (the budget; less while a staged pool has not grown to it), or the running "
+                              "requests' own caches under per-request allocation.",
                               registry=r)
         self.kv_peak = Gauge("laserlm:kv_cache_peak_usage_perc", "Highest KV pool usage seen (0-1).", registry=r)
         self.prompt_tokens = Counter("laserlm:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
@@ -76,14 +77,15 @@ class ServerMetrics:
     def update_pool(self, scheduler) -> None:
         """Set the gauges from the scheduler (called by the engine thread after every step)."""
         pool = scheduler.pool
-        used = pool.used_pages / max(pool.num_pages, 1)
+        # per-request allocation holds no pages: each running request's own cache is its reservation's worth
+        used = (pool.reserved if pool.prealloc == "request" else pool.used_pages) / max(pool.num_pages, 1)
         self._peak = max(self._peak, used)
         self.running.set(len(scheduler.running))
         self.waiting.set(len(scheduler.waiting))
         self.kv_usage.set(used)
         self.kv_reserved.set(pool.reserved / max(pool.num_pages, 1))
         self.kv_peak.set(self._peak)
-        self.kv_bytes.set(pool.capacity * pool.page_bytes)
+        self.kv_bytes.set(scheduler.kv_bytes)
 
     def observe_request(self, prompt_tokens: int, generated: int, finished_reason: str, ttft: float | None,
                         itl: list[float], e2e: float, layers: list[float], draft_n: int, accepted_n: int) -> None:
