@@ -74,6 +74,8 @@ def test_every_row_is_produced(tiny_lm_and_laser):
     assert p99.ours > 0 and p99.ours_baseline > 0 and "per-request" in p99.definition
     assert 0 <= by[("long-text consistency", "Laser")].ours <= 1
     assert by[("feature decay per 1k tokens past 2,048", "Laser")].ours is not None  # 3 bins past 2048
+    talk = by[("dialogue response latency (ms)", "after")]  # over a real HTTP server on 127.0.0.1
+    assert "over HTTP" in talk.definition and talk.ours > 0 and talk.ours_baseline == pytest.approx(talk.compute["p50_ms_full"], abs=0.05)
     code = by[("simple code completions: compute", "after")]
     assert 0 < code.ours <= 1
     md = format_markdown(rows, "header")

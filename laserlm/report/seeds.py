@@ -22,6 +22,9 @@ present in the output, measured or with the reason it is not comparable. Configu
   is reported beside them;
 - *all combined*: ``adaptive:laser=FILE@sparse`` on the staged pool.
 
+The dialogue scenario is measured over HTTP: chat requests sent one at a time to the app of ``laserlm serve`` on
+127.0.0.1 (uvicorn in a thread of the report's process, sharing its model; :meth:`_Runs.dialogue`).
+
 Our definitions, where they differ from the seeds' (also in each row's ``definition``): speed = wall time of the same
 work at full depth over the configuration's (GLUE: scoring the dev items zero-shot with lm-eval's prompts; decode:
 generated tokens); memory saved = KV bytes the configuration keeps (or allocates, for the pool) against full depth,
@@ -236,6 +239,66 @@ class _Runs:
         context = statistics.fmean(len(p) for p in prompts) + self.cfg.decode_tokens / 2  # mean cached positions
         return {s: {"ms_per_token": statistics.median(ms[s]), "response_ms": sorted(response[s]), "context": context,
                     "mean_layers": statistics.fmean(layers[s]) if layers[s] else float(self.L)} for s in specs}
+
+    def dialogue(self, specs) -> dict | None:
+        """Per spec: every chat answer's response latency over HTTP (ms, sorted): the bundled chat prompts sent one at
+        a time (a dialogue: one user waiting for each answer) as non-streaming ``/v1/chat/completions`` requests of
+        ``decode_tokens`` greedy tokens (EOS ignored) to the app of ``laserlm serve``, served by uvicorn on
+        127.0.0.1 in a thread of this process and sharing the loaded model; the request's ``mode`` names the spec.
+        Configurations are interleaved per prompt. ``None`` when the ``serve`` extra (FastAPI, uvicorn) is not
+        installed.
+
+        Raises:
+            InvalidArgumentError: the server did not start, or answered a request with an error.
+        """
+        import json as _json  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+        import urllib.error  # noqa: PLC0415
+        import urllib.request  # noqa: PLC0415
+
+        try:
+            import uvicorn  # noqa: PLC0415
+
+            from ..serve.app import ServerSettings, build_app  # noqa: PLC0415
+        except ImportError:
+            return None
+        from ..evaluation.tasks import load_prompts  # noqa: PLC0415
+
+        settings = ServerSettings(model="report-seeds", mode=specs[0], allowed_modes=list(specs[1:]),
+                                  kv_budget=self.cfg.kv_budget, max_batch=self.cfg.max_batch)
+        app = build_app(settings, lm=self.lm)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            t0 = time.monotonic()
+            while not server.started:
+                if not thread.is_alive() or time.monotonic() - t0 > 60:
+                    raise InvalidArgumentError("the dialogue rows' server on 127.0.0.1 did not start")
+                time.sleep(0.02)
+            port = server.servers[0].sockets[0].getsockname()[1]
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            response = {s: [] for s in specs}
+            for text in self.bar(load_prompts()[:self.cfg.decode_prompts], "dialogue over HTTP"):
+                for spec in specs:
+                    body = {"model": settings.name, "messages": [{"role": "user", "content": text}],
+                            "max_tokens": self.cfg.decode_tokens, "temperature": 0, "ignore_eos": True, "mode": spec}
+                    req = urllib.request.Request(url, _json.dumps(body).encode(), {"Content-Type": "application/json"})
+                    t = time.perf_counter()
+                    try:
+                        with urllib.request.urlopen(req, timeout=600) as r:
+                            out = _json.loads(r.read())
+                    except urllib.error.HTTPError as e:
+                        raise InvalidArgumentError(f"the server answered {e.code}: {e.read()[:500]!r}") from e
+                    response[spec].append(1e3 * (time.perf_counter() - t))
+                    if out["usage"]["completion_tokens"] != self.cfg.decode_tokens:
+                        raise InvalidArgumentError(f"the server generated {out['usage']['completion_tokens']} tokens, "
+                                                   f"not {self.cfg.decode_tokens}")
+            return {s: sorted(v) for s, v in response.items()}
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+            app.state.laserlm.close()
 
     def _chat_ids(self, text: str) -> torch.Tensor:
         from ..runtime.generate import encode_prompt  # noqa: PLC0415
@@ -502,12 +565,20 @@ def _scenarios(r: _Runs) -> list[Row]:
     def p(xs, q):
         return xs[min(len(xs) - 1, int(q * len(xs)))]
 
-    f, a = dec["full"]["response_ms"], (dec[ad]["response_ms"] if ad else None)
+    http = r.once("dialogue", lambda: r.dialogue(specs))
+    src = http if http is not None else {x: dec[x]["response_ms"] for x in specs}
+    where = "over HTTP (laserlm serve's app, one request at a time)" if http is not None else "in process"
+    f, a = src["full"], (src[ad] if ad else None)
+    compute = {"p50_ms_full": round(statistics.median(f), 1), "p99_ms_full": round(p(f, 0.99), 1),
+               "p99_ms_laser": round(p(a, 0.99), 1) if a else None,
+               "in_process_p50_ms_full": round(statistics.median(dec["full"]["response_ms"]), 1),
+               "in_process_p50_ms_laser": round(statistics.median(dec[ad]["response_ms"]), 1) if ad else None}
+    notes = ([] if a else [NO_LASER]) + ([] if http is not None else
+                                         ["the serve extra (FastAPI, uvicorn) is not installed: measured in process"])
     rows.append(Row(T, "dialogue response latency (ms)", "after", s[1], statistics.median(a) if a else None,
-                    f"median time to a whole {cfg.decode_tokens}-token answer to a chat prompt, in process",
+                    f"median time to a whole {cfg.decode_tokens}-token answer to a chat prompt, {where}",
                     f"full vs {ad}" if ad else "full", baseline=s[0], ours_baseline=statistics.median(f),
-                    compute={"p99_ms_full": round(p(f, 0.99), 1), "p99_ms_laser": round(p(a, 0.99), 1) if a else None},
-                    note="" if a else NO_LASER))
+                    compute=compute, note="; ".join(notes)))
     one = r.once("batch_one", lambda: r.batch("full", "full", one_at_a_time=True))
     many = r.once("batch_full", lambda: r.batch("full", "full"))
     s = SEED_SCENARIOS["batch documents (docs/min)"]
