@@ -10,9 +10,11 @@ workload of WikiText-2 test paragraphs (EOS ignored, greedy) at up to three load
 lengths, one arriving every ``--churn-gap`` scheduler steps, so requests join and leave the running batch all the
 time and per-request caches are allocated and freed throughout). Reported per configuration and load: wall time,
 P50/P99 of the scheduler's step time, the largest KV bytes held (arena, or the requests' own caches), the arena
-growths; per configuration: peak RSS of the process and its RSS after the model loaded (before any pool).
+growths, the prefix-cache hits so far (``--prefix-cache``: the churn load reuses the heavy load's documents, cut to
+other lengths); per configuration: peak RSS of the process and its RSS after the model loaded (before any pool).
 
-Configurations (``--configs``): ``full``, ``staged``, ``request``; a ``-pt`` suffix turns the engine's compiled
+Configurations (``--configs``): ``full``, ``staged``, ``request``, ``blocks`` (a full arena cut into one block of pages per
+layer group of ``--kv-groups``, seed 004's fixed block per execution group); a ``-pt`` suffix turns the engine's compiled
 layers off (every layer on the PyTorch path), which separates the allocation strategy from the kernel: the pool's
 batched rows run the compiled paged kernel, per-request rows cannot (they are not in one arena) and take the
 PyTorch path with a padded gather. Configurations alternate over ``--rounds`` rounds.
@@ -52,7 +54,8 @@ def child(args) -> dict:
 
     torch.set_num_threads(args.threads)
     lm = laserlm.load(args.model, weights=args.weights, threads=args.threads)
-    prealloc = args.child.removesuffix("-pt")
+    base = args.child.removesuffix("-pt")
+    prealloc, groups = ("full", args.kv_groups) if base == "blocks" else (base, None)
     if args.child.endswith("-pt"):
         lm.engine.native_layers = False
     docs = []
@@ -69,7 +72,8 @@ def child(args) -> dict:
     out = {"config": args.child, "prealloc": prealloc, "compiled_layers": not args.child.endswith("-pt"),
            "rss_loaded_mib": round(rss_loaded, 1)}
     sched = Scheduler(lm.engine, BatchConfig(kv_budget=args.kv_budget, max_batch=args.max_batch,
-                                             kv_prealloc=prealloc, prefix_cache=False))
+                                             kv_prealloc=prealloc, prefix_cache=args.prefix_cache,
+                                             kv_groups=groups))
     out["rss_pool_created_mib"] = round(rss_mib(), 1)
     rng = random.Random(args.seed)
     churn = [(torch.tensor(docs[i % len(docs)][:rng.randint(8, args.prompt_tokens)]),
@@ -101,7 +105,8 @@ def child(args) -> dict:
                 kv_peak = max(kv_peak, sched.kv_bytes)
         wall = time.perf_counter() - t0
         steps.sort()
-        out[load] = {"wall_s": round(wall, 3), "steps": len(steps),
+        out[load] = {"wall_s": round(wall, 3), "steps": len(steps), "prefix_hit_tokens": sched.stats["prefix_hit_tokens"],
+                     "cached_pages_reused": sched.pool.stats["cached_pages_reused"],
                      "step_p50_ms": round(1e3 * statistics.median(steps), 2),
                      "step_p99_ms": round(1e3 * steps[min(len(steps) - 1, int(0.99 * len(steps)))], 2),
                      "kv_peak_mib": round(kv_peak / 2**20, 1), "arena_mib": round(sched.pool.nbytes / 2**20, 1),
@@ -123,17 +128,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", default="full,staged",
-                    help="comma-separated: full, staged, request, each optionally with -pt (compiled layers off)")
+                    help="comma-separated: full, staged, request, blocks (full, one block per --kv-groups layer "
+                         "group), each optionally with -pt (compiled layers off)")
+    ap.add_argument("--kv-groups", default="5", help="the layer groups of the blocks configuration (default: %(default)s)")
     ap.add_argument("--loads", default="light,heavy", help="comma-separated: light, heavy, churn (in this order)")
     ap.add_argument("--churn-requests", type=int, default=48)
     ap.add_argument("--churn-gap", type=int, default=8, help="scheduler steps between two arrivals of the churn load")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="share prompt pages between requests (off by default; per-request allocation has none)")
     ap.add_argument("--data", default="../shared/data/wikitext-2/test.txt")
     ap.add_argument("--out")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     configs = args.configs.split(",")
-    bad = [c for c in configs + ([args.child] if args.child else []) if c.removesuffix("-pt") not in ("full", "staged", "request")]
+    bad = [c for c in configs + ([args.child] if args.child else [])
+           if c.removesuffix("-pt") not in ("full", "staged", "request", "blocks")]
     if bad or any(x not in ("light", "heavy", "churn") for x in args.loads.split(",")):
         ap.error(f"unknown configuration or load: {bad or args.loads}")
     if args.child:

@@ -143,7 +143,8 @@ def cmd_batch(args) -> int:
 
     check_before_load(args.model, [args.mode])
     options = {"max_batch": args.max_batch, "page_size": args.page_size, "prefill_chunk": args.prefill_chunk,
-               "eviction": args.eviction, "prefix_cache": not args.no_prefix_cache, "kv_prealloc": args.kv_prealloc}
+               "eviction": args.eviction, "prefix_cache": not args.no_prefix_cache, "kv_prealloc": args.kv_prealloc,
+               "kv_groups": args.kv_groups}
     from .runtime.scheduler import BatchConfig  # noqa: PLC0415
 
     BatchConfig(kv_budget=args.kv_budget, **options).validate()  # fail before the model loads

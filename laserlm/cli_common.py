@@ -308,6 +308,10 @@ def add_batch_args(p, queue_help: str | None = None) -> None:
                         "to the budget as load grows (seed 004's progressive pre-allocation); request: no pool, each "
                         "request allocates its own contiguous KV cache when admitted and frees it when done (the "
                         "baseline the pool is measured against; no prefix cache or eviction) (default: full)")
+    g.add_argument("--kv-groups", default=None, metavar="SPEC",
+                   help="one block of the KV pool per layer group (seed 004's fixed block per execution group): N = "
+                        "groups of N layers, or group end boundaries such as 8/16/30; needs --kv-prealloc full "
+                        "(default: one block for all layers)")
     return g
 
 

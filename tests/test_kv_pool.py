@@ -408,3 +408,47 @@ def test_staged_pool_reuses_cached_prefix_pages_before_growing_and_survives_a_fa
     monkeypatch.setattr(torch, "zeros", real)
     assert pool.k.shape == pool.v.shape == (1, 3, 2, 4) and pool.capacity == 2  # unchanged by the failed growth
     assert pool.allocate() == 3 and pool.capacity == 4 and pool.k.shape == pool.v.shape == (1, 5, 2, 4)
+
+
+def test_blocks_per_layer_group_keep_each_layer_in_its_block():
+    """Seed 004's fixed block per execution group: with groups 0-1 / 2-2 of a 3-layer model every page of a layer
+    comes from its group's block (taken, copied on write, reused from the prefix cache, compacted), the budget is
+    rounded down to whole pages per layer, and the logits are the single block's."""
+    from laserlm.runtime.kv_pool import parse_kv_groups
+
+    assert parse_kv_groups(None, 30) == ((0, 30),)
+    assert parse_kv_groups(12, 30) == ((0, 12), (12, 24), (24, 30)) == parse_kv_groups("12", 30)
+    assert parse_kv_groups("8/16/30", 30) == ((0, 8), (8, 16), (16, 30)) == parse_kv_groups([(0, 8), (8, 16), (16, 30)], 30)
+    for bad in ("8/16", "0/30", "16/8/30", "x", 0, True, [(0, 10), (12, 30)]):
+        with pytest.raises(InvalidArgumentError, match="KV groups"):
+            parse_kv_groups(bad, 30)
+    pool = KVPool(num_layers=3, num_kv_heads=1, head_dim=4, num_pages=11, page_size=2, groups="2/3")
+    assert pool.num_pages == 9 and pool.blocks == [(1, 7), (7, 10)]
+    assert [pool.allocate(0), pool.allocate(2), pool.allocate(1)] == [1, 7, 2]
+    for p in (1, 7, 2):
+        pool.release(p)
+    with pytest.raises(InvalidArgumentError, match="need the whole arena"):
+        KVPool(num_layers=3, num_kv_heads=1, head_dim=4, num_pages=12, prealloc="staged", groups=1)
+
+    engine = tiny_llama()
+    ids = ids_of(23, seed=4)
+    plain = decode_logits(engine, PagedCache(KVPool.for_engine(engine, "2MiB", page_size=4), 30), ids, 13)
+    pool = KVPool.for_engine(engine, "2MiB", page_size=4, groups="1/3")
+    assert len(pool.blocks) == 2 and "one block per layer group 0-0/1-2" in pool.describe()
+    caches = []
+    for i in range(3):  # requests of different lengths, one freed (holes), one sharing a prefix (copy-on-write)
+        c = PagedCache(pool, 30)
+        engine.prefill(ids_of(9 + 4 * i, seed=i), cache=c)
+        if i == 1:
+            c.register_prefix(ids_of(9 + 4 * i, seed=i)[0].tolist(), "full")
+        caches.append(c)
+    caches[0].free()  # unregistered: its pages leave holes in both blocks
+    shared = PagedCache(pool, 30)
+    assert shared.attach_prefix(ids_of(13, seed=1)[0].tolist(), "full") == 12
+    engine.prefill(ids_of(13, seed=1)[:, 12:], cache=shared, start=12)
+    engine.forward(torch.tensor([[3]]), cache=shared, start=11)  # rewrites a shared page: copy-on-write
+    pool.check()  # asserts every page of every table lies in its layer's block
+    assert pool.stats["cow_copies"] > 0 and pool.compact() > 0
+    pool.check()
+    blocks = decode_logits(engine, PagedCache(pool, 30), ids, 13)
+    assert torch.equal(blocks, plain)

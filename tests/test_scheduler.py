@@ -422,14 +422,14 @@ def test_native_batch_of_many_equals_each_request_alone_whatever_the_chunking(sm
         assert sched.stats["batched_rows"] >= 20 * 5  # the requests did decode together
 
 
-def _staged_plan(engine, prealloc: str, seed: int):
+def _staged_plan(engine, prealloc: str, seed: int, groups=None):
     """One random plan of requests (lengths, budgets, sampling, shared prefixes, cancels) on a small budget; returns
     what the scheduler admitted and produced, and the largest arena it held (pages)."""
     rng = random.Random(seed)
     cfg = BatchConfig(kv_budget=f"{rng.choice([96, 160, 400])}t", page_size=rng.choice([2, 4]),
                       max_batch=rng.choice([2, 4, 8]), max_queue=rng.choice([3, 50]), prefill_chunk=rng.choice([3, 16]),
                       compact_every=5, compact_threshold=0.0, prefix_cache=rng.choice([True, False]),
-                      kv_prealloc=prealloc)
+                      kv_prealloc=prealloc, kv_groups=groups)
     sched = Scheduler(engine, cfg, eos_ids=[0])
     base = [rng.randrange(1, 256) for _ in range(24)]
     admitted, live, largest = [], [], sched.pool.capacity
@@ -529,3 +529,17 @@ def test_per_request_allocation_mixed_batch_equals_each_request_alone(smol):
     run_all(sched)
     assert [[e.token_id for e in sched.get(r).events] for r in rids] == expected
     assert sched.stats["batched_forwards"] > 0 and sched.kv_bytes == 0
+
+
+def test_blocks_per_layer_group_admit_and_produce_what_one_block_does():
+    """One block of the pool per layer group (seed 004's fixed block per execution group): on random plans (prefix
+    cache, cancels, compaction after every 5 requests) the scheduler admits the same requests and gives the same tokens
+    as with one block, and every page stays in its layer's block (``pool.check``)."""
+    engine = tiny_llama()
+    for seed in range(4):
+        one = _staged_plan(engine, "full", seed)
+        for groups in (1, "2/3"):
+            blocks = _staged_plan(engine, "full", seed, groups)
+            assert blocks[0] == one[0] and blocks[1] == one[1], (seed, groups)
+    with pytest.raises(InvalidArgumentError, match="need kv_prealloc full"):
+        BatchConfig(kv_groups=2, kv_prealloc="staged").validate()

@@ -24,6 +24,16 @@ Every request owns a :class:`PagedCache`: a page table ``[num_layers, max_pages]
 logical page, per layer; 0 = no page). Pages are taken on demand as the request's positions grow and all go
 back when it finishes or is cancelled (:meth:`PagedCache.free`).
 
+Blocks per layer group
+----------------------
+Seed 004 §3.2 gives each execution group a fixed block of the pool. With ``groups`` (``--kv-groups``: layer groups
+such as the adaptive scheduler's) the arena is cut into one contiguous block of page numbers per group, sized by its
+share of the layers (``num_pages // num_layers`` pages per layer, so the budget is rounded down to a multiple of the
+layer count): a page of layer ``j`` is always taken from the block of ``j``'s group, reused, copied and compacted
+inside it. Every request holds the same number of pages at each layer (without eviction), so a block never runs out
+before the budget does and admission is unchanged. The default is one block for all layers. Blocks need the whole
+arena from the start (``prealloc="full"``).
+
 Because the table is per layer, a policy can drop a page of one layer and keep the same positions in the
 others (the seed's depth-aware eviction, :mod:`laserlm.runtime.eviction`).
 
@@ -63,6 +73,7 @@ or registered copies it first (copy-on-write), so a cached page never changes.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import math
@@ -79,6 +90,44 @@ from .kv_cache import CachePositions, KVCache, RequestBatch
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_BUDGET = "512MiB"
 PREALLOC = ("full", "staged", "request")
+
+
+def parse_kv_groups(spec, num_layers: int) -> tuple[tuple[int, int], ...]:
+    """Layer groups of the pool's blocks as half-open ``(start, stop)`` ranges tiling ``0 .. num_layers``.
+
+    ``spec``: ``None`` (one group of every layer), an int or digit string ``N`` (groups of ``N`` layers, the last
+    takes the remainder), group end boundaries ``"8/16/24/30"`` (the last must be ``num_layers``), or a sequence of
+    ``(start, stop)`` pairs.
+
+    Raises:
+        InvalidArgumentError: anything else, or groups that do not tile the layers.
+    """
+    if spec is None:
+        return ((0, num_layers),)
+    bad = InvalidArgumentError(f"KV groups {spec!r}: expected N (groups of N layers) or group end boundaries such as "
+                               f"8/16/{num_layers} for a model of {num_layers} layers")
+    if isinstance(spec, bool):
+        raise bad
+    if isinstance(spec, int) or (isinstance(spec, str) and spec.strip().isdigit()):
+        size = int(spec)
+        if size <= 0:
+            raise bad
+        bounds = [(a, min(a + size, num_layers)) for a in range(0, num_layers, size)]
+    elif isinstance(spec, str):
+        try:
+            ends = [int(x) for x in spec.strip().split("/")]
+        except ValueError:
+            raise bad from None
+        bounds = list(zip([0] + ends[:-1], ends))
+    else:
+        try:
+            bounds = [(int(a), int(b)) for a, b in spec]
+        except (TypeError, ValueError):
+            raise bad from None
+    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != num_layers or any(
+            a >= b for a, b in bounds) or any(bounds[i][1] != bounds[i + 1][0] for i in range(len(bounds) - 1)):
+        raise bad
+    return tuple(bounds)
 STAGED_FIRST_PAGES = 1024  # the first arena of a staged pool: 16k positions of one layer at the default page size
 
 
@@ -161,17 +210,26 @@ class KVPool:
             every position in them skipped their layer, :meth:`PagedCache.release_skipped`; ``arena_growths``).
 
     Raises:
-        InvalidArgumentError: a non-positive size, an unknown ``prealloc``.
+        InvalidArgumentError: a non-positive size, an unknown ``prealloc``, bad ``groups`` (:func:`parse_kv_groups`),
+            blocks per group with a pool that is not fully pre-allocated.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  page_size: int = DEFAULT_PAGE_SIZE, dtype: torch.dtype = torch.float32, budget_text: str = "",
-                 prealloc: str = "full", first_pages: int = STAGED_FIRST_PAGES):
+                 prealloc: str = "full", first_pages: int = STAGED_FIRST_PAGES, groups=None):
         if page_size <= 0 or num_pages <= 0 or first_pages <= 0:
             raise InvalidArgumentError(f"page size and page counts must be positive, got {page_size}, {num_pages}, "
                                        f"{first_pages}")
         if prealloc not in PREALLOC:
             raise InvalidArgumentError(f"KV pre-allocation must be one of {', '.join(PREALLOC)}, got {prealloc!r}")
+        self.groups = parse_kv_groups(groups, num_layers)
+        if len(self.groups) > 1:
+            if prealloc != "full":
+                raise InvalidArgumentError(f"KV blocks per layer group need the whole arena from the start "
+                                           f"(kv_prealloc full), not {prealloc}")
+            if num_pages < num_layers:
+                raise InvalidArgumentError(f"{num_pages} KV pages cannot give each of {num_layers} layers a page")
+            num_pages = num_pages // num_layers * num_layers
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.prealloc = prealloc
@@ -180,10 +238,18 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype)
         self.v = torch.zeros(shape, dtype=dtype)
         self.ref = [0] * (num_pages + 1)
-        self._free = list(range(1, self.capacity + 1))  # a heap: the lowest free page first (keeps the arena dense)
+        # blocks: page numbers [lo, hi) per layer group (one block of the whole arena without groups; it grows with a
+        # staged arena); each keeps its free pages (a heap: the lowest first, which keeps the block dense) and its
+        # cached pages (registered, unreferenced, oldest first)
+        per_layer = num_pages // num_layers
+        self.blocks = ([(1 + per_layer * a, 1 + per_layer * b) for a, b in self.groups] if len(self.groups) > 1
+                       else [(1, self.capacity + 1)])
+        self._block_of_layer = [g for g, (a, b) in enumerate(self.groups) for _ in range(a, b)] \
+            if len(self.groups) > 1 else [0] * num_layers
+        self._free = [list(range(lo, hi)) for lo, hi in self.blocks]
         self._key_of: dict[int, tuple] = {}  # registered page -> prefix key
         self._page_of: dict[tuple, int] = {}  # prefix key -> page
-        self._cached: OrderedDict[int, None] = OrderedDict()  # registered pages nobody references, oldest first
+        self._cached: list[OrderedDict[int, None]] = [OrderedDict() for _ in self.blocks]
         self.reserved = 0
         self.budget_text = budget_text or f"{num_pages} pages"
         self.caches: set = set()  # live PagedCaches (compaction rewrites their tables)
@@ -192,9 +258,11 @@ class KVPool:
                       "arena_growths": 0}
 
     @classmethod
-    def for_engine(cls, engine, budget=None, page_size: int = DEFAULT_PAGE_SIZE, prealloc: str = "full") -> KVPool:
+    def for_engine(cls, engine, budget=None, page_size: int = DEFAULT_PAGE_SIZE, prealloc: str = "full",
+                   groups=None) -> KVPool:
         """A pool for ``engine``'s model holding ``budget`` (see :func:`parse_budget`; default 512 MiB), its arena
-        pre-allocated ``full`` or ``staged`` (or none: ``request``, see the module docstring)."""
+        pre-allocated ``full`` or ``staged`` (or none: ``request``, see the module docstring), with one block of
+        pages per layer group of ``groups`` (:func:`parse_kv_groups`; default one block)."""
         a = engine.adapter
         if not isinstance(page_size, int) or page_size <= 0:
             raise InvalidArgumentError(f"page size must be a positive integer, got {page_size!r}")
@@ -202,7 +270,7 @@ class KVPool:
         page_bytes = 2 * a.num_kv_heads * page_size * a.head_dim * elem
         b = parse_budget(budget, a.num_layers, page_bytes, page_size)
         return cls(a.num_layers, a.num_kv_heads, a.head_dim, b.pages, page_size, engine.dtype, b.text, prealloc,
-                   STAGED_FIRST_PAGES)
+                   STAGED_FIRST_PAGES, groups)
 
     # -- accounting ------------------------------------------------------------------------------
     @property
@@ -219,7 +287,7 @@ class KVPool:
     def free_pages(self) -> int:
         """Pages that can be handed out now: free ones, cached ones nobody references, and those of the budget
         the arena has not grown to yet."""
-        return len(self._free) + len(self._cached) + (self.num_pages - self.capacity)
+        return sum(map(len, self._free)) + self.cached_pages + (self.num_pages - self.capacity)
 
     @property
     def used_pages(self) -> int:
@@ -228,7 +296,11 @@ class KVPool:
 
     @property
     def cached_pages(self) -> int:
-        return len(self._cached)
+        return sum(map(len, self._cached))
+
+    def block_of(self, page: int) -> int:
+        """The block (layer group) that page number ``page`` belongs to."""
+        return bisect.bisect_right(self.blocks, (page, math.inf)) - 1
 
     def pages_for(self, positions: int) -> int:
         """Pages a request of ``positions`` positions owns at most (every layer)."""
@@ -238,6 +310,8 @@ class KVPool:
         mib = self.num_pages * self.page_bytes / 2**20
         staged = {"full": "", "staged": f", staged: {self.capacity} allocated",
                   "request": ", allocated per request"}[self.prealloc]
+        if len(self.groups) > 1:
+            staged += f", one block per layer group {'/'.join(f'{a}-{b - 1}' for a, b in self.groups)}"
         return f"{self.budget_text} = {self.num_pages} pages of {self.page_size} positions ({mib:.1f} MiB{staged})"
 
     def fragmentation(self) -> dict:
@@ -245,32 +319,42 @@ class KVPool:
         ``external``: the share of the arena below the highest page in use that is free (holes)."""
         owned = sum(c.owned_pages() for c in self.caches)
         filled = sum(c.stored_positions() for c in self.caches)
-        in_use = [p for p in range(1, self.capacity + 1) if self.ref[p] > 0 or p in self._cached]
-        top = max(in_use, default=0)
+        used, span = 0, 0  # per block: pages in use, and the block's pages up to its highest page in use
+        for b, (lo, hi) in enumerate(self.blocks):
+            in_use = [p for p in range(lo, hi) if self.ref[p] > 0 or p in self._cached[b]]
+            used += len(in_use)
+            span += in_use[-1] - lo + 1 if in_use else 0
         return {"internal": 1 - filled / (owned * self.page_size) if owned else 0.0,
-                "external": 1 - len(in_use) / top if top else 0.0}
+                "external": 1 - used / span if span else 0.0}
 
     # -- pages -----------------------------------------------------------------------------------
-    def allocate(self) -> int:
-        """A page with reference count 1: the lowest free one, else the least recently released cached one.
+    def allocate(self, layer: int = 0) -> int:
+        """A page for ``layer`` with reference count 1, from its group's block: the lowest free one, else the least
+        recently released cached one.
 
         Raises:
-            PoolFullError: every page is referenced.
+            PoolFullError: every page of the block is referenced.
+            InvalidArgumentError: a pool with per-request allocation (it holds no pages).
         """
         if self.prealloc == "request":
             raise InvalidArgumentError("a pool with per-request allocation holds no pages (each request owns a "
                                        "contiguous KV cache; kv_prealloc full or staged page the KV)")
-        if not self._free and not self._cached and self.capacity < self.num_pages:  # staged: grow only when the
+        return self._take(self._block_of_layer[layer])
+
+    def _take(self, b: int) -> int:
+        free, cached = self._free[b], self._cached[b]
+        if not free and not cached and self.capacity < self.num_pages:  # staged (one block): grow only when the
             self._grow()  # arena is full of live pages (cached prefixes are reused first, so memory follows the load)
-        if self._free:
-            page = heapq.heappop(self._free)
-        elif self._cached:
-            page, _ = self._cached.popitem(last=False)
+        if free:
+            page = heapq.heappop(free)
+        elif cached:
+            page, _ = cached.popitem(last=False)
             self._unregister(page)
             self.stats["cached_pages_reused"] += 1
         else:
+            where = "" if len(self.blocks) == 1 else f" (the block of layers {self.groups[b][0]}-{self.groups[b][1] - 1})"
             raise PoolFullError(f"KV pool full: all {self.num_pages} pages of the budget {self.describe()} "
-                                "are in use; raise --kv-budget or run fewer requests at once")
+                                f"are in use{where}; raise --kv-budget or run fewer requests at once")
         self.ref[page] = 1
         return page
 
@@ -284,14 +368,15 @@ class KVPool:
             v[:, :self.capacity + 1].copy_(self.v)  # replaced, so a failed allocation leaves the pool as it was
         self.k, self.v = k, v
         for p in range(self.capacity + 1, new + 1):
-            heapq.heappush(self._free, p)
+            heapq.heappush(self._free[0], p)
+        self.blocks[0] = (1, new + 1)
         self.capacity = new
         self.stats["arena_growths"] += 1
 
     def share(self, page: int) -> None:
         """One more reference to ``page`` (a prefix hit)."""
         if self.ref[page] == 0:
-            self._cached.pop(page, None)
+            self._cached[self.block_of(page)].pop(page, None)
         self.ref[page] += 1
 
     def release(self, page: int) -> None:
@@ -302,18 +387,20 @@ class KVPool:
             raise RuntimeError(f"page {page} released more often than taken")
         self.ref[page] -= 1
         if self.ref[page] == 0:
+            b = self.block_of(page)
             if page in self._key_of:
-                self._cached[page] = None
+                self._cached[b][page] = None
             else:
-                heapq.heappush(self._free, page)
+                heapq.heappush(self._free[b], page)
 
     def writable(self, page: int) -> bool:
         """True when writing into ``page`` changes nobody else's K/V (not shared, not registered)."""
         return self.ref[page] == 1 and page not in self._key_of
 
     def copy_page(self, page: int) -> int:
-        """A private copy of ``page`` (copy-on-write); releases the caller's reference to ``page``."""
-        new = self.allocate()
+        """A private copy of ``page`` (copy-on-write), in the same block; releases the caller's reference to
+        ``page``."""
+        new = self._take(self.block_of(page))
         self.k[:, new].copy_(self.k[:, page])
         self.v[:, new].copy_(self.v[:, page])
         self.release(page)
@@ -338,14 +425,16 @@ class KVPool:
 
     # -- compaction ------------------------------------------------------------------------------
     def compact(self) -> int:
-        """Move every page in use (referenced or cached) to the lowest page numbers, rewriting the page tables
-        of the live caches and the prefix registry; returns the number of pages moved. Run it between steps
+        """Move every page in use (referenced or cached) to the lowest page numbers of its block, rewriting the page
+        tables of the live caches and the prefix registry; returns the number of pages moved. Run it between steps
         (no forward may hold a window on the pool)."""
-        in_use = [p for p in range(1, self.capacity + 1) if self.ref[p] > 0 or p in self._cached]
-        targets = set(range(1, len(in_use) + 1))
-        movers = [p for p in in_use if p not in targets]
-        holes = sorted(targets - set(in_use))
-        mapping = dict(zip(movers, holes))
+        mapping, free = {}, []
+        for b, (lo, hi) in enumerate(self.blocks):
+            in_use = [p for p in range(lo, hi) if self.ref[p] > 0 or p in self._cached[b]]
+            targets = set(range(lo, lo + len(in_use)))
+            movers = [p for p in in_use if p not in targets]
+            mapping.update(zip(movers, sorted(targets - set(in_use))))
+            free.append(list(range(lo + len(in_use), hi)))  # sorted, so already a heap
         if not mapping:
             return 0
         src = torch.tensor(list(mapping.keys()))
@@ -362,10 +451,11 @@ class KVPool:
                 key = self._key_of.pop(old)
                 self._key_of[new] = key
                 self._page_of[key] = new
-            if old in self._cached:
-                del self._cached[old]
-                self._cached[new] = None
-        self._free = sorted(set(range(1, self.capacity + 1)) - set(range(1, len(in_use) + 1)))
+            cached = self._cached[self.block_of(old)]
+            if old in cached:
+                del cached[old]
+                cached[new] = None  # (moved to the end: compaction forgets the reuse order of moved pages)
+        self._free = free
         self.stats["compactions"] += 1
         self.stats["moved_pages"] += len(mapping)
         return len(mapping)
@@ -379,7 +469,14 @@ class KVPool:
                 if p:
                     refs[p] += 1
         assert refs[1:] == self.ref[1:], "reference counts differ from the page tables"
-        free, cached = set(self._free), set(self._cached)
+        for c in self.caches:  # every page of a layer lies in the block of the layer's group
+            for layer in range(self.num_layers):
+                lo, hi = self.blocks[self._block_of_layer[layer]]
+                assert all(lo <= p < hi for p in c.table[layer].tolist() if p), f"a page of layer {layer} left its block"
+        assert self.blocks[0][0] == 1 and self.blocks[-1][1] <= self.capacity + 1
+        free = {p for b, f in enumerate(self._free) for p in f if self.block_of(p) == b}
+        cached = {p for b, c in enumerate(self._cached) for p in c if self.block_of(p) == b}
+        assert len(free) == sum(map(len, self._free)) and len(cached) == self.cached_pages, "a page in another block's list"
         for p in range(1, self.capacity + 1):
             states = (self.ref[p] > 0) + (p in free) + (p in cached)
             assert states == 1, f"page {p} is referenced/free/cached {states} times"
@@ -423,7 +520,7 @@ class PagedCache(CachePositions):
         need = math.ceil(end / self.pool.page_size)
         for i in range(self.num_logical, need):
             for layer in range(self.pool.num_layers):
-                self.table[layer, i] = self.pool.allocate()
+                self.table[layer, i] = self.pool.allocate(layer)
         self.num_logical = max(self.num_logical, need)
 
     def _make_writable(self, start: int, end: int) -> None:

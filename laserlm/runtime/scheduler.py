@@ -72,6 +72,9 @@ class BatchConfig:
             allocates its own contiguous KV cache of prompt + ``max_tokens`` positions and frees it when it
             finishes; the baseline seed 004 §3.2 measures the pool against; admission still counts the budget; no
             prefix cache, no eviction).
+        kv_groups: one block of the pool per layer group (seed 004 §3.2; :func:`~laserlm.runtime.kv_pool.parse_kv_groups`:
+            ``N`` for groups of N layers, or end boundaries ``"8/16/30"``); default ``None``, one block. Needs
+            ``kv_prealloc="full"``.
     """
 
     kv_budget: object = None
@@ -84,6 +87,7 @@ class BatchConfig:
     compact_every: int = 100
     compact_threshold: float = 0.25
     kv_prealloc: str = "full"
+    kv_groups: object = None
 
     def validate(self) -> BatchConfig:
         """Check every setting that needs no model (the budget's syntax, the eviction spec); returns self.
@@ -105,6 +109,9 @@ class BatchConfig:
                                        f"{self.eviction!r}")
         if self.kv_prealloc not in PREALLOC:
             raise InvalidArgumentError(f"kv_prealloc must be one of {', '.join(PREALLOC)}, got {self.kv_prealloc!r}")
+        if self.kv_groups is not None and self.kv_prealloc != "full":
+            raise InvalidArgumentError(f"KV blocks per layer group (kv_groups) need kv_prealloc full, not "
+                                       f"{self.kv_prealloc}")
         budget_amount(self.kv_budget)  # syntax (the page count needs the model)
         parse_eviction(self.eviction)
         return self
@@ -168,7 +175,8 @@ class Scheduler:
     def __init__(self, engine, config: BatchConfig | None = None, eos_ids=()):
         self.engine = engine
         self.config = (config or BatchConfig()).validate()
-        self.pool = KVPool.for_engine(engine, self.config.kv_budget, self.config.page_size, self.config.kv_prealloc)
+        self.pool = KVPool.for_engine(engine, self.config.kv_budget, self.config.page_size, self.config.kv_prealloc,
+                                      self.config.kv_groups)
         self.eviction = parse_eviction(self.config.eviction)
         self._per_request = self.config.kv_prealloc == "request"
         if self.eviction is not None and self._per_request:
@@ -472,7 +480,7 @@ class Scheduler:
     def summary(self) -> dict:
         """Pool and scheduler counters (pages, reservations, prefix hits, evictions, fragmentation)."""
         p = self.pool
-        return {"kv_prealloc": p.prealloc, "kv_bytes": self.kv_bytes,
+        return {"kv_prealloc": p.prealloc, "kv_bytes": self.kv_bytes, "kv_groups": [list(g) for g in p.groups],
                 "pages_total": p.num_pages, "pages_allocated": p.capacity, "pages_used": p.used_pages,
                 "pages_cached": p.cached_pages,
                 "pages_reserved": p.reserved, "page_size": p.page_size, "running": len(self.running),

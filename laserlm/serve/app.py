@@ -61,8 +61,8 @@ class ServerSettings:
         allowed_modes: further mode specs a request may name in its ``mode`` field (all built at startup).
         lora: a LoRA delta file merged into the weights at load (``--lora``; the CLI fills it from the laser file).
         weights, prefill_dtype, dtype, ctx_size, threads: as ``laserlm generate``.
-        kv_budget, max_batch, max_queue, page_size, prefill_chunk, eviction, prefix_cache, kv_prealloc: the KV pool and
-            scheduler (:class:`~laserlm.runtime.scheduler.BatchConfig`).
+        kv_budget, max_batch, max_queue, page_size, prefill_chunk, eviction, prefix_cache, kv_prealloc, kv_groups: the
+            KV pool and scheduler (:class:`~laserlm.runtime.scheduler.BatchConfig`).
         api_key: when set, ``/v1`` requests need ``Authorization: Bearer <api_key>``.
         default_max_tokens: chat requests without ``max_tokens`` generate at most this many tokens (and the room
             left in the context); completions default to OpenAI's 16.
@@ -90,6 +90,7 @@ class ServerSettings:
     eviction: str | None = None
     prefix_cache: bool = True
     kv_prealloc: str = "full"
+    kv_groups: str | None = None
     api_key: str | None = None
     default_max_tokens: int = 512
     max_body_bytes: int = 4 * 1024 * 1024
@@ -103,7 +104,7 @@ class ServerSettings:
     def batch_options(self) -> dict:
         return {"max_batch": self.max_batch, "max_queue": self.max_queue, "page_size": self.page_size,
                 "prefill_chunk": self.prefill_chunk, "eviction": self.eviction, "prefix_cache": self.prefix_cache,
-                "kv_prealloc": self.kv_prealloc}
+                "kv_prealloc": self.kv_prealloc, "kv_groups": self.kv_groups}
 
     def mode_specs(self) -> list[str]:
         """The default mode spec first, then the other allowed specs (duplicates dropped)."""

@@ -83,6 +83,7 @@ def settings_from_args(args):
         kv_budget=args.kv_budget, max_batch=args.max_batch, max_queue=args.max_queue, page_size=args.page_size,
         prefill_chunk=args.prefill_chunk, eviction=args.eviction, prefix_cache=not args.no_prefix_cache,
         kv_prealloc=args.kv_prealloc,
+        kv_groups=args.kv_groups,
         api_key=args.api_key or os.environ.get("LASERLM_API_KEY") or None,
         default_max_tokens=args.default_max_tokens, max_body_bytes=args.max_body_bytes,
         shutdown_timeout=args.shutdown_timeout, docs=args.docs)
