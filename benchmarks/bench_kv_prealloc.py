@@ -70,7 +70,7 @@ def child(args) -> dict:
     rss_loaded = rss_mib()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     out = {"config": args.child, "prealloc": prealloc, "compiled_layers": not args.child.endswith("-pt"),
-           "rss_loaded_mib": round(rss_loaded, 1)}
+           "kv_groups": groups, "rss_loaded_mib": round(rss_loaded, 1)}
     sched = Scheduler(lm.engine, BatchConfig(kv_budget=args.kv_budget, max_batch=args.max_batch,
                                              kv_prealloc=prealloc, prefix_cache=args.prefix_cache,
                                              kv_groups=groups))
@@ -117,7 +117,7 @@ def child(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--weights", default="native")
     ap.add_argument("--kv-budget", default="512MiB")
@@ -146,6 +146,15 @@ def main() -> None:
            if c.removesuffix("-pt") not in ("full", "staged", "request", "blocks")]
     if bad or any(x not in ("light", "heavy", "churn") for x in args.loads.split(",")):
         ap.error(f"unknown configuration or load: {bad or args.loads}")
+    from laserlm.errors import InvalidArgumentError  # noqa: PLC0415
+    from laserlm.runtime.kv_pool import parse_kv_groups  # noqa: PLC0415
+
+    try:
+        parse_kv_groups(args.kv_groups)  # syntax, before any model loads (the tiling is checked with the model)
+    except InvalidArgumentError as e:
+        ap.error(str(e))
+    if "--kv-groups" in sys.argv and not any(c.removesuffix("-pt") == "blocks" for c in configs):
+        ap.error("--kv-groups applies to the blocks configuration only: add blocks to --configs")
     if args.child:
         print(json.dumps(child(args)))
         return

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import torch
@@ -227,7 +228,9 @@ class LaserLM:
         options = dict(batch_options or {})
         if kv_budget is not None:
             options["kv_budget"] = kv_budget
+        t_setup = time.perf_counter()
         sched = self.scheduler(**options)
+        setup_s = time.perf_counter() - t_setup  # the KV arena's allocation (seconds for a large full budget)
         tok = self.tokenizer
         stop_check = None
         if params.stop:
@@ -252,6 +255,7 @@ class LaserLM:
             bar = tqdm(total=len(ids), desc="requests", unit="req")
         queue = list(range(len(ids)))
         rid_of: dict[int, str] = {}
+        t_run = time.perf_counter()
         while queue or sched.has_unfinished:
             while queue and len(sched.waiting) < sched.config.max_queue:
                 i = queue.pop(0)
@@ -259,6 +263,7 @@ class LaserLM:
             for out in sched.step():
                 if out.finished and bar is not None:
                     bar.update(1)
+        run_s = time.perf_counter() - t_run
         if bar is not None:
             bar.close()
         rids = [rid_of[i] for i in range(len(ids))]
@@ -269,7 +274,7 @@ class LaserLM:
             result = gen.run()
             result.total_s = seq.t_finish - seq.t_submit  # the request's time in the scheduler, queue included
             results.append(result)
-        self.last_batch_summary = sched.summary()
+        self.last_batch_summary = sched.summary() | {"setup_s": setup_s, "run_s": run_s}
         return results
 
 

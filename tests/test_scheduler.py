@@ -111,6 +111,8 @@ def test_generate_batch_matches_generate(smol):
     assert {s.finish_reason for s in singles} >= {"stop"}  # the stop string matters in this set
     summary = smol.last_batch_summary
     assert summary["pages_used"] == 0 and summary["finished"] == 4
+    # the loop's time (what `laserlm batch` divides by) covers every request's time in the scheduler
+    assert summary["setup_s"] >= 0 and max(b.total_s for b in batch) <= summary["run_s"]
 
 
 def test_tiny_gemma3_batch_past_the_sliding_window():
@@ -395,6 +397,33 @@ def test_speculative_requests_batch_above_the_threshold(smol):
         make_mode("speculative:draft=ngram,batch_above=0", eng)
 
 
+def test_kv_groups_under_the_none_bridge_never_fail_an_admitted_request(smol):
+    """With blocks per layer group, pages that skipped layers return go to *their* block (the deep layers'), so they
+    cannot serve a newcomer's shallow layers: the reservation keeps them, and every admitted request still finishes
+    with the tokens it gets alone. (A first version lowered the reservation as with one block, admitted a second
+    request on the deep block's free pages, and failed mid-decode with the shallow block full.)"""
+    eng, tok = smol.engine, smol.tokenizer
+    spec, n, ps = "adaptive:policy=confidence,threshold=0.05,bridge=none,patience=0", 64, 4
+    mode = make_mode(spec, eng)
+    ids = [torch.tensor(tok(p)["input_ids"]) for p in PROMPTS[:3]]
+    params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    expected = [alone(eng, mode, i, params, n) for i in ids]
+    per_layer = max(-(-(i.numel() + n) // ps) for i in ids)
+    budget = f"{(2 * per_layer - 2) * ps}t"  # two requests at every layer but for 2 pages: the second waits for returns
+    for groups in (None, "10/30"):
+        sched = Scheduler(eng, BatchConfig(kv_budget=budget, page_size=ps, prefix_cache=False, kv_groups=groups),
+                          smol.eos_ids)
+        rids = [sched.submit(i, params, make_mode(spec, eng)) for i in ids]
+        most = 0
+        while sched.has_unfinished:
+            sched.step()
+            most = max(most, len(sched.running))
+        assert [[e.token_id for e in sched.get(r).events] for r in rids] == expected, groups
+        assert sched.pool.stats["skipped_pages"] > 0
+        assert most >= 2 or groups is not None  # with one block, the returned pages admitted a second request
+        sched.pool.check()
+
+
 @pytest.fixture(scope="module")
 def smol_native():
     import laserlm
@@ -543,3 +572,24 @@ def test_blocks_per_layer_group_admit_and_produce_what_one_block_does():
             assert blocks[0] == one[0] and blocks[1] == one[1], (seed, groups)
     with pytest.raises(InvalidArgumentError, match="need kv_prealloc full"):
         BatchConfig(kv_groups=2, kv_prealloc="staged").validate()
+
+
+def test_kv_groups_spec_errors_say_what_is_wrong():
+    """The groups' syntax is checked without a model (so `serve --replicas` refuses before deploying), the tiling with
+    it; each refusal names its reason."""
+    import numpy as np
+
+    from laserlm.runtime.kv_pool import parse_kv_groups
+
+    for spec in ("abc", "0", "-1", "\uff18", "8//30", "16/8/30", 2.5, True, "8,16,30"):
+        with pytest.raises(InvalidArgumentError, match="KV groups"):
+            BatchConfig(kv_groups=spec).validate()
+    assert BatchConfig(kv_groups="8/16/31").validate()  # the tiling needs the layer count
+    assert parse_kv_groups(np.int64(10), 30) == ((0, 10), (10, 20), (20, 30))
+    assert parse_kv_groups(" 7 ", 30)[-1] == (28, 30)
+    with pytest.raises(InvalidArgumentError, match="more than the model's layers"):
+        parse_kv_groups(31, 30)
+    with pytest.raises(InvalidArgumentError, match="last boundary must be 30"):
+        parse_kv_groups("8/16/29", 30)
+    with pytest.raises(InvalidArgumentError, match="must increase"):
+        parse_kv_groups("16/8/30", 30)

@@ -127,7 +127,7 @@ class SeedsConfig:
         if self.long_tokens < 3:
             raise InvalidArgumentError(f"long tokens must be >= 3, got {self.long_tokens}")
         if self.glue_limit is not None and self.glue_limit < 1:
-            raise InvalidArgumentError(f"glue limit must be >= 1, got {self.glue_limit}")
+            raise InvalidArgumentError(f"glue limit must be >= 1 (or 0 / None for every item), got {self.glue_limit}")
         if self.glue_task not in ("sst2", "rte", "mrpc", "qnli"):
             raise InvalidArgumentError(f"glue task must be sst2, rte, mrpc or qnli, got {self.glue_task!r}")
         return self

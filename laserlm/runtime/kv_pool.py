@@ -77,6 +77,7 @@ import bisect
 import hashlib
 import heapq
 import math
+import operator
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -92,42 +93,68 @@ DEFAULT_BUDGET = "512MiB"
 PREALLOC = ("full", "staged", "request")
 
 
-def parse_kv_groups(spec, num_layers: int) -> tuple[tuple[int, int], ...]:
+def parse_kv_groups(spec, num_layers: int | None = None) -> tuple[tuple[int, int], ...]:
     """Layer groups of the pool's blocks as half-open ``(start, stop)`` ranges tiling ``0 .. num_layers``.
 
-    ``spec``: ``None`` (one group of every layer), an int or digit string ``N`` (groups of ``N`` layers, the last
-    takes the remainder), group end boundaries ``"8/16/24/30"`` (the last must be ``num_layers``), or a sequence of
-    ``(start, stop)`` pairs.
+    ``spec``: ``None`` (one group of every layer), an int or ASCII-digit string ``N`` (groups of ``N`` layers, the
+    last takes the remainder; ``N`` at most the layer count), group end boundaries ``"8/16/24/30"`` (increasing,
+    the last must be ``num_layers``), or a sequence of ``(start, stop)`` pairs. With ``num_layers=None`` only the
+    syntax is checked (no model yet) and ``()`` is returned.
 
     Raises:
-        InvalidArgumentError: anything else, or groups that do not tile the layers.
+        InvalidArgumentError: anything else, or groups that do not tile the layers; the message says which.
     """
     if spec is None:
-        return ((0, num_layers),)
-    bad = InvalidArgumentError(f"KV groups {spec!r}: expected N (groups of N layers) or group end boundaries such as "
-                               f"8/16/{num_layers} for a model of {num_layers} layers")
+        return () if num_layers is None else ((0, num_layers),)
+    example = "8/16/30" if num_layers is None else f"8/16/{num_layers}"
+
+    def bad(why: str) -> InvalidArgumentError:
+        of = "" if num_layers is None else f" (the model has {num_layers} layers)"
+        return InvalidArgumentError(f"KV groups {spec!r}: {why}{of}; expected N (groups of N layers) or group end "
+                                    f"boundaries such as {example}")
+
+    size = None
     if isinstance(spec, bool):
-        raise bad
-    if isinstance(spec, int) or (isinstance(spec, str) and spec.strip().isdigit()):
+        raise bad("not a number")
+    if isinstance(spec, str) and re.fullmatch(r"\s*\d+\s*", spec, re.ASCII):
         size = int(spec)
-        if size <= 0:
-            raise bad
-        bounds = [(a, min(a + size, num_layers)) for a in range(0, num_layers, size)]
-    elif isinstance(spec, str):
+    elif not isinstance(spec, str):
         try:
-            ends = [int(x) for x in spec.strip().split("/")]
-        except ValueError:
-            raise bad from None
+            size = operator.index(spec)
+        except TypeError:
+            pass
+    if size is not None:
+        if size <= 0:
+            raise bad("a group needs at least one layer")
+        if num_layers is None:
+            return ()
+        if size > num_layers:
+            raise bad(f"groups of {size} layers are more than the model's layers")
+        return tuple((a, min(a + size, num_layers)) for a in range(0, num_layers, size))
+    if isinstance(spec, str):
+        parts = spec.strip().split("/")
+        if not all(re.fullmatch(r"\d+", x, re.ASCII) for x in parts):
+            raise bad("not N or boundaries of ASCII digits separated by /")
+        ends = [int(x) for x in parts]
         bounds = list(zip([0] + ends[:-1], ends))
     else:
         try:
             bounds = [(int(a), int(b)) for a, b in spec]
         except (TypeError, ValueError):
-            raise bad from None
-    if not bounds or bounds[0][0] != 0 or bounds[-1][1] != num_layers or any(
-            a >= b for a, b in bounds) or any(bounds[i][1] != bounds[i + 1][0] for i in range(len(bounds) - 1)):
-        raise bad
+            raise bad("not N, boundaries or (start, stop) pairs") from None
+    if not bounds:
+        raise bad("no group")
+    if bounds[0][0] != 0 or any(bounds[i][1] != bounds[i + 1][0] for i in range(len(bounds) - 1)):
+        raise bad("the groups must follow each other from layer 0")
+    if any(a >= b for a, b in bounds):
+        raise bad("the boundaries must increase (a group needs at least one layer)")
+    if num_layers is None:
+        return ()
+    if bounds[-1][1] != num_layers:
+        raise bad(f"the last boundary must be {num_layers}, the model's layer count, not {bounds[-1][1]}")
     return tuple(bounds)
+
+
 STAGED_FIRST_PAGES = 1024  # the first arena of a staged pool: 16k positions of one layer at the default page size
 
 
@@ -352,9 +379,13 @@ class KVPool:
             self._unregister(page)
             self.stats["cached_pages_reused"] += 1
         else:
-            where = "" if len(self.blocks) == 1 else f" (the block of layers {self.groups[b][0]}-{self.groups[b][1] - 1})"
-            raise PoolFullError(f"KV pool full: all {self.num_pages} pages of the budget {self.describe()} "
-                                f"are in use{where}; raise --kv-budget or run fewer requests at once")
+            if len(self.blocks) == 1:
+                what = f"all {self.num_pages} pages of the budget {self.describe()} are in use"
+            else:
+                lo, hi = self.blocks[b]
+                what = (f"all {hi - lo} pages of the block of layers {self.groups[b][0]}-{self.groups[b][1] - 1} are "
+                        f"in use (budget {self.describe()})")
+            raise PoolFullError(f"KV pool full: {what}; raise --kv-budget or run fewer requests at once")
         self.ref[page] = 1
         return page
 

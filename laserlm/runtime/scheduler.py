@@ -45,7 +45,7 @@ import torch
 from ..errors import InvalidArgumentError, PoolFullError, QueueFullError
 from .eviction import parse_eviction
 from .generate import TokenEvent
-from .kv_pool import DEFAULT_PAGE_SIZE, PREALLOC, KVPool, PagedCache, budget_amount
+from .kv_pool import DEFAULT_PAGE_SIZE, PREALLOC, KVPool, PagedCache, budget_amount, parse_kv_groups
 from .runner import Emitted, advance, advance_batch, prefill_chunk, start, token_events
 from .modes import FullDepth
 from .options import is_int, is_number
@@ -74,7 +74,8 @@ class BatchConfig:
             prefix cache, no eviction).
         kv_groups: one block of the pool per layer group (seed 004 §3.2; :func:`~laserlm.runtime.kv_pool.parse_kv_groups`:
             ``N`` for groups of N layers, or end boundaries ``"8/16/30"``); default ``None``, one block. Needs
-            ``kv_prealloc="full"``.
+            ``kv_prealloc="full"``. Admission is the same as one block's, except that pages the ``none`` bridge
+            frees for skipped layers stay reserved (they lie in the deep layers' block).
     """
 
     kv_budget: object = None
@@ -114,6 +115,7 @@ class BatchConfig:
                                        f"{self.kv_prealloc}")
         budget_amount(self.kv_budget)  # syntax (the page count needs the model)
         parse_eviction(self.eviction)
+        parse_kv_groups(self.kv_groups)  # syntax (the tiling needs the layer count)
         return self
 
 
@@ -241,8 +243,9 @@ class Scheduler:
         if need > self.pool.num_pages:
             raise PoolFullError(
                 f"request needs up to {need} KV pages ({ids.numel()} prompt + {max_tokens} new positions x "
-                f"{self.pool.num_layers} layers) but the KV budget is {self.pool.describe()}: raise --kv-budget, "
-                "lower max_tokens, or enable eviction (--eviction streaming)")
+                f"{self.pool.num_layers} layers) but the KV budget is {self.pool.describe()}: raise --kv-budget"
+                + (" or lower max_tokens" if self._per_request else
+                   ", lower max_tokens, or enable eviction (--eviction streaming)"))
         return ids, params, mode, max_tokens, need
 
     def submit(self, prompt_ids: torch.Tensor, params: SamplingParams | None = None, mode=None,
@@ -434,10 +437,13 @@ class Scheduler:
     def _return_skipped(self, seq: Sequence) -> None:
         """Lower ``seq``'s reservation by the pages its cache released for good (a page of skipped layers, under
         the ``none`` bridge, is never taken again by that request), so they can admit other requests. Not under
-        eviction: there the reservation is the policy's cap, which the request may still fill with later pages."""
+        eviction: there the reservation is the policy's cap, which the request may still fill with later pages.
+        Not with blocks per layer group either: the returned pages are the deep layers' (in their group's block)
+        and cannot serve a newcomer's shallow layers, so admitting on them could fail a running request."""
         cache = seq.request.cache
         gone = getattr(cache, "skipped", 0) - seq.returned
-        if gone > 0 and seq in self.running and getattr(cache, "eviction", None) is None:
+        if (gone > 0 and seq in self.running and getattr(cache, "eviction", None) is None
+                and len(self.pool.blocks) == 1):
             seq.reserved -= gone
             self.pool.reserved -= gone
             seq.returned += gone
