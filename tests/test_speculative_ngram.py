@@ -255,20 +255,34 @@ def test_packed_weights_keep_the_verify_on_the_kernel(one_thread):
     assert max(_cycle_widths(events_f)) == 25
 
 
-def test_packed_weights_price_the_verify_with_their_own_cost_table(one_thread):
+def test_packed_weights_price_the_verify_with_their_own_cost_table(one_thread, tmp_path, monkeypatch):
     """Packed weights multiply many rows at a cost per extra row that the float32 log-curve does not describe (about
-    one weight read up to 6-8 rows, compute-bound beyond), so by default their lookup policy prices a verify with the
-    measured table of the kernel variant in use, and drafts shorter where it is dearer than the log-curve; an explicit
-    ``verify_cost`` keeps the log model, and float weights are unchanged. Greedy output still equals full depth."""
+    one weight read up to 6-8 rows, compute-bound beyond), so by default their lookup policy prices a verify with a
+    table: this machine's, measured once and kept in the cache (a damaged cache file is measured again), or with
+    ``verify_cost=prior`` the kernel variant's fixed one; it drafts shorter where a verify is dearer than the
+    log-curve; an explicit ``verify_cost`` keeps the log model, and float weights are unchanged. Greedy output still
+    equals full depth."""
     from laserlm.models import kernels
     from laserlm.models.packing import pack_model
     from laserlm.speculative.policy import PACKED_VERIFY_TABLES
 
+    kernels.ops()  # built (or found) in the real cache before the cache moves
+    monkeypatch.setenv("LASERLM_CACHE", str(tmp_path))
     model = tiny_model(vocab=64)
     float_engine = Engine(copy.deepcopy(model), max_seq_len=128)
     pack_model(model, "int8")
     engine = Engine(model, max_seq_len=128)
-    mode = make_mode("speculative:draft=ngram", engine)
+    measured = make_mode("speculative:draft=ngram", engine).verify_fit
+    assert measured["source"] == "measured on this machine"
+    assert measured["measured"][1] == 1.0 and max(measured["measured"]) == engine.fast_rows
+    assert (tmp_path / "verify_costs.json").is_file()
+    again = make_mode("speculative:draft=ngram+suffix", engine).verify_fit
+    assert again == {"measured": measured["measured"], "source": "measured on this machine (cached)"}
+    (tmp_path / "verify_costs.json").write_text("{not json")
+    assert make_mode("speculative:draft=ngram", engine).verify_fit["source"] == "measured on this machine"
+    with pytest.raises(InvalidArgumentError, match="verify_cost=prior"):
+        make_mode("speculative:draft=ngram,verify_cost=prior", float_engine)
+    mode = make_mode("speculative:draft=ngram,verify_cost=prior", engine)
     table = PACKED_VERIFY_TABLES["avx512" if kernels.ops().kernel_isa() == "avx512" else "avx2"]
     assert mode.verify_fit == {"measured": table, "source": "packed-weights prior"}
     assert mode._verify_cost(16) == table[16]

@@ -158,6 +158,94 @@ def fit_verify_cost(engine, widths=(1, 2, 3, 5, 9, 17), repeats: int = 3, contex
     return {"verify_cost": round(a, 4), "verify_base": round(b, 4), "measured": {w: round(v, 3) for w, v in rel.items()}}
 
 
+def _cpu_name() -> str:
+    """The CPU's model name with its family/model numbers (``/proc/cpuinfo``; ``platform.processor()`` elsewhere):
+    two CPUs sold under one name (AMD EPYC: Zen 3, 4, 5) price a multi-row step differently."""
+    import platform  # noqa: PLC0415
+
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    return f"{name} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
+def verify_table_key(engine) -> str:
+    """What a packed verify table depends on: this CPU, the kernel variant, torch's threads, and the model's shapes
+    and matrix formats (not its values). A sha256 hex string."""
+    import hashlib  # noqa: PLC0415
+    from collections import Counter  # noqa: PLC0415
+
+    from ..models import kernels  # noqa: PLC0415
+    from ..models.quant import FORMAT_NAMES  # noqa: PLC0415
+
+    cfg = engine.config
+    shapes = {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                                                  "vocab_size", "tie_word_embeddings")}
+    formats = Counter(FORMAT_NAMES.get(getattr(m, "fmt", None), type(m).__name__)
+                      for m in engine.model.modules() if hasattr(m, "qweight"))
+    ops = kernels.ops()
+    key = {"cpu": _cpu_name(), "isa": ops.kernel_isa() if ops is not None else None, "threads": torch.get_num_threads(),
+           "shapes": shapes, "formats": sorted(formats.items()), "weights": engine.weights, "dtype": str(engine.dtype),
+           "fast_rows": engine.fast_rows}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def machine_verify_table(engine, refresh: bool = False) -> dict:
+    """The verify cost table ``{w: c(w)}`` of a packed-weights engine measured on this machine
+    (:func:`fit_verify_cost` over the widths the compiled kernel takes, up to ``engine.fast_rows``), kept in
+    ``<cache>/verify_costs.json`` under :func:`verify_table_key` so a machine, model and thread count pay the
+    measurement (about a second on smollm2-135m) once. ``refresh``: measure again and replace the entry. A cache
+    file that cannot be read or written is ignored (the table is then measured every time).
+
+    Why not the kernel variant's fixed table: one variant prices a verify differently per CPU (AVX-512 on Zen 4,
+    which splits 512-bit operations in two, costs 1.65 plain steps at 4 positions where Zen 5 costs 1.33), and a
+    policy that believes a verify cheaper than it is drafts too long.
+
+    Returns ``{"measured": {w: c(w)}, "source": "measured on this machine" | "... (cached)"}``.
+    """
+    import os  # noqa: PLC0415
+
+    from ..models.cache import cache_root  # noqa: PLC0415
+    from .policy import packed_verify_table  # noqa: PLC0415
+
+    key = verify_table_key(engine)
+    try:
+        path = cache_root() / "verify_costs.json"
+        saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        if not isinstance(saved, dict):
+            saved = {}
+    except (OSError, ValueError):
+        path, saved = None, {}
+    entry = saved.get(key)
+    if not refresh and isinstance(entry, dict) and isinstance(entry.get("measured"), dict):
+        try:
+            table = {int(w): float(c) for w, c in entry["measured"].items()}
+            if table.get(1) == 1.0 and all(c > 0 for c in table.values()):
+                return {"measured": table, "source": "measured on this machine (cached)"}
+        except (TypeError, ValueError):
+            pass
+    widths = tuple(w for w in packed_verify_table() if w <= engine.fast_rows)
+    table = fit_verify_cost(engine, widths=widths, repeats=5)["measured"]
+    if path is not None:
+        saved[key] = {"measured": table, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        try:
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(saved, indent=1), encoding="utf-8")
+            tmp.replace(path)
+        except OSError:
+            pass
+    return {"measured": table, "source": "measured on this machine"}
+
+
 def simulate(agree, conf, n_draft: int, n_layers: int, k: int, threshold: float, costs: dict,
              reuse: bool = True) -> dict:
     """Replay greedy speculative cycles over one trace (``agree``/``conf`` ``[G]`` at depth ``n_draft``);

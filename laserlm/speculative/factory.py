@@ -35,7 +35,7 @@ class SpeculativeOptions:
     min_match: Optional[int] = None
     adaptive: Optional[bool] = None
     suffix_tokens: Optional[int] = None
-    verify_cost: Optional[Union[float, Literal["auto"]]] = None
+    verify_cost: Optional[Union[float, Literal["auto", "prior"]]] = None
     verify_base: Optional[float] = None
     batch_above: Optional[int] = None
     head: Optional[str] = None
@@ -96,17 +96,20 @@ def laser_exit_head(engine, path, draft_layers: int | None) -> tuple[int, torch.
 
 def make_speculative(engine, **opts) -> SpeculativeDecoding:
     """``speculative:draft_layers=N,k=K,threshold=T,reuse=0|1[,laser=PATH][,draft=ngram+suffix+layers,max_ngram=3,
-    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto,verify_base=0.34][,batch_above=2]
+    min_match=1,adaptive=0|1,suffix_tokens=65536,verify_cost=0.36|auto|prior,verify_base=0.34][,batch_above=2]
     [,loss_budget=1|off][,head=PATH,head_threshold=0,head_cost=0.11]`` -> :class:`SpeculativeDecoding`.
 
     ``draft=...+head`` loads the draft head file ``head`` (default: the one shipped for a bundled model); errors as
     :func:`~.draft_head.load_draft_head` (a file made for other weights is refused).
 
-    Without ``verify_cost`` / ``verify_base``, lookup drafts on packed weights (``Engine.fast_rows`` set:
-    ``native``, ``int4``, ``int8``) use the measured table of the kernel variant, :func:`~.policy.packed_verify_table` (reported as
-    ``verify_fit`` with ``"source": "packed-weights prior"``; ``verify_cost`` / ``verify_base`` are then reported as
-    ``None``); float weights and ``draft=layers`` alone use the log model with the defaults above. On packed
-    weights ``verify_cost=auto`` measures only the widths up to ``fast_rows``.
+    Without ``verify_cost`` / ``verify_base``, lookup and head drafts on packed weights (``Engine.fast_rows`` set:
+    ``native``, ``int4``, ``int8``) use this machine's verify cost table,
+    :func:`~laserlm.speculative.calibration.machine_verify_table`: measured once per CPU, kernel variant, thread
+    count and model shape (about a second), then read from laserlm's cache (reported as ``verify_fit`` with its
+    ``source``; ``verify_cost`` / ``verify_base`` are then reported as ``None``). ``verify_cost=prior`` uses the
+    kernel variant's fixed table instead, :func:`~.policy.packed_verify_table` (``"source": "packed-weights
+    prior"``; no measurement). Float weights and ``draft=layers`` alone use the log model with the defaults
+    above. On packed weights ``verify_cost=auto`` measures only the widths up to ``fast_rows``, every time.
     ``verify_cost=auto`` measures the verify cost curve of this engine on this machine (about a second on
     smollm2-135m; :func:`~laserlm.speculative.calibration.fit_verify_cost`); the policy then interpolates the
     measured table (``verify_fit["measured"]``, reported in the stats with the fitted ``verify_cost`` and
@@ -204,10 +207,24 @@ def make_speculative(engine, **opts) -> SpeculativeDecoding:
                                       repeats=5))
         kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
         draft_kwargs.update(verify_cost=verify_fit["verify_cost"], verify_base=verify_fit["verify_base"])
-    elif (o.verify_cost is None and o.verify_base is None and engine.fast_rows is not None
-          and any(s in (*LOOKUP, "head") for s in sources)):
-        # packed weights: the float32 log-curve underestimates a many-row verify by 2-3x (drafts too long)
-        verify_fit = {"measured": packed_verify_table(), "source": "packed-weights prior"}
+    elif o.verify_cost == "prior" or (o.verify_cost is None and o.verify_base is None and engine.fast_rows is not None
+                                      and any(s in (*LOOKUP, "head") for s in sources)):
+        # packed weights: the float32 log-curve underestimates a many-row verify by 2-3x (drafts too long), and one
+        # kernel variant's table misprices other CPUs (Zen 4's AVX-512): this machine's own table, measured once
+        if engine.fast_rows is None:
+            raise InvalidArgumentError("verify_cost=prior is the packed weights' cost table: give --weights native, "
+                                       "int8 or int4, or a numeric verify_cost")
+        if o.verify_base is not None:
+            raise InvalidArgumentError("verify_cost=prior is a table: give verify_base only with a numeric verify_cost")
+        kwargs.pop("verify_cost", None)
+        draft_kwargs.pop("verify_cost", None)
+        if o.verify_cost == "prior":
+            verify_fit = {"measured": packed_verify_table(), "source": "packed-weights prior"}
+        else:
+            from .calibration import machine_verify_table  # noqa: PLC0415
+
+            SpeculativeDecoding(engine.num_layers, **kwargs)  # validate the rest before measuring
+            verify_fit = machine_verify_table(engine)
     mode = SpeculativeDecoding(engine.num_layers, **kwargs)  # validates the fixed options first
     mode.verify_fit = verify_fit
     if auto:

@@ -344,7 +344,7 @@ class SpeculativeDecoding(Mode):
         self.ngram = ngram
         self.suffix_tokens = check_suffix_tokens(suffix_tokens) if "suffix" in sources else None
         self.calibration: dict | None = None  # filled by the auto calibration
-        self.verify_fit: dict | None = None  # verify_cost=auto's measurement, or the packed-weights prior
+        self.verify_fit: dict | None = None  # verify_cost=auto's measurement, this machine's table, or the prior
 
     def suffix_cache(self, engine) -> SuffixCache | None:
         """The suffix cache of this mode's settings on ``engine`` (``None`` without the ``suffix`` source): one
@@ -362,7 +362,7 @@ class SpeculativeDecoding(Mode):
                "reuse": self.reuse, "exit_head": self.exit_head_name, "batch_above": self.batch_above,
                "loss_budget": self.loss_budget}
         if self.draft != ("layers",):
-            table = self.verify_fit is not None and self.verify_fit.get("source") == "packed-weights prior"
+            table = self.verify_fit is not None and "source" in self.verify_fit  # a table, not verify_cost=auto's fit
             out.update(draft="+".join(self.draft), max_ngram=self.max_ngram, min_match=self.min_match,
                        adaptive=self.adaptive, verify_cost=None if table else self.verify_cost,
                        verify_base=None if table else self.verify_base)  # None: priced by verify_fit's table
