@@ -253,3 +253,35 @@ def test_cli_trains_a_head_that_the_mode_loads(tmp_path, capsys):
                       mode=f"speculative:draft=head,head={out}")
     full = lm.generate("Tell me a story.", chat=True, max_new_tokens=12, ignore_eos=True)
     assert res.token_ids == full.token_ids
+
+
+def test_tree_simulation_chain_is_the_decoding_chain(one_thread, trained):
+    """benchmarks/bench_draft_tree.py prices chain against tree drafts offline. Its width-1 tree must draft exactly
+    what ``draft_chain`` drafts in decoding from the same true pairs, and a wider tree must contain that chain's
+    first token; ``accepted`` is the longest true prefix present as a path."""
+    import sys  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_draft_tree as bt  # noqa: PLC0415
+
+    eng, dm, _ = trained
+    ids = sampled_records(eng, 1, 20, seed=3)[0]
+    feats = bt.features(eng, ids)
+    with torch.inference_mode():
+        out, (k, v) = dm.infer(feats[None, :-1], dm.embed(ids[None, 1:]), torch.arange(ids.numel() - 1))
+    for j in (4, 9, 15):
+        with torch.inference_mode():
+            chain, _ = bt.draft_tree(dm, k[:, :, :j + 1], v[:, :, :j + 1], out[0, j], int(ids[j + 1]), j + 1, 1, 1, 4)
+            tree, _ = bt.draft_tree(dm, k[:, :, :j + 1], v[:, :, :j + 1], out[0, j], int(ids[j + 1]), j + 1, 3, 2, 4)
+        st = HeadState()
+        st.add(feats[:j + 1], ids[1:j + 2].tolist(), 0)
+        drafts, _ = draft_chain(dm, st, 4, 0.0)
+        assert [len(lvl) for lvl in chain] == [1, 1, 1, 1]
+        assert chain[-1][0] == tuple(drafts)
+        assert [len(lvl) for lvl in tree] == [3, 3, 3, 3]
+        assert (drafts[0],) in tree[0]
+        assert all(p[:-1] in set(tree[i - 1]) for i in range(1, 4) for p in tree[i])  # a path's parent is kept
+        assert bt.accepted(chain, drafts[:2] + [-1, -1]) == 2
+        assert bt.accepted(chain, drafts) == 4
+        assert bt.accepted(chain, [-1] + drafts[1:]) == 0
