@@ -126,6 +126,10 @@ def test_damaged_and_foreign_files_are_clear_errors(tmp_path):
     eng = Engine(tiny(), max_seq_len=16)
     with pytest.raises(ModelNotFoundError, match="laser file not found"):
         load_laser_file(tmp_path / "missing.laser", eng)
+    with pytest.raises(ModelNotFoundError, match="got a directory"):
+        load_laser_file(tmp_path, eng)
+    with pytest.raises(ModelNotFoundError, match="laser file not given"):
+        load_laser_file("", eng)
     bad = tmp_path / "bad.laser"
     bad.write_bytes(b"\x00garbage")
     with pytest.raises(CorruptModelError, match="cannot read laser file"):

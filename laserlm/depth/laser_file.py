@@ -227,7 +227,11 @@ def read_metadata(path) -> tuple[dict, dict]:
     """
     from safetensors import safe_open  # noqa: PLC0415
 
+    if not str(path).strip():
+        raise ModelNotFoundError("laser file not given: laser= needs a file path (from `laserlm calibrate -o FILE`)")
     path = Path(path)
+    if path.is_dir():
+        raise ModelNotFoundError(f"laser file expected, got a directory: {path}")
     if not path.is_file():
         raise ModelNotFoundError(f"laser file not found: {path}")
     try:
@@ -272,8 +276,8 @@ def load_laser_file(path, lm) -> LaserArtifact:
         InvalidArgumentError: the file was made for another model (architecture or weight hash differ).
     """
     engine = _engine_of(lm)
-    path = Path(path)
     meta, tensors = read_metadata(path)
+    path = Path(path)
     check_identity(meta, engine, str(path))
     config = dict(meta.get("config", {}))
     config.setdefault("bridge", DEFAULT_BRIDGE)

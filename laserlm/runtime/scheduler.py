@@ -215,7 +215,9 @@ class Scheduler:
 
     def _check_supported(self, mode) -> None:
         if self.engine.kernel is not None:
-            raise InvalidArgumentError("block-sparse attention does not run on the paged KV pool yet; use dense "
+            where = ("per-request KV allocation (--kv-prealloc request)" if self._per_request
+                     else "the paged KV pool")
+            raise InvalidArgumentError(f"block-sparse attention does not run with {where} yet; use dense "
                                        "attention with the scheduler (or LaserLM.generate for sparse attention)")
         if self.eviction is not None and mode.rolls_back:
             raise InvalidArgumentError("KV eviction does not combine with speculative decoding (a verify rolls "
