@@ -532,7 +532,8 @@ def _table_000(r: _Runs) -> list[Row]:
     rows.append(Row(T, "long-text consistency", "Laser", s[1], la["consistency"] if la else None,
                     f"top-1 agreement with full depth past position 2,048 of the long novel ({ctx} tokens); full "
                     "scores 1.0 against itself, the seed's traditional 0.82 is its own score", cfgs, baseline=s[0],
-                    ours_baseline=1.0, compute={"layers_per_token": round(la["mean_layers"], 3) if la else None},
+                    ours_baseline=1.0 if la and la["consistency"] is not None else None,
+                    compute={"layers_per_token": round(la["mean_layers"], 3) if la else None},
                     note=NO_LASER if not la else ("" if la["consistency"] is not None else
                                                   "the document has no position past 2,048 (--long-tokens, "
                                                   "--ctx-size)")))
@@ -548,7 +549,8 @@ def _table_000(r: _Runs) -> list[Row]:
     d = _decay_past(la["bins"]) if la else None
     rows.append(Row(T, "feature decay per 1k tokens past 2,048", "Laser", s[1], d,
                     "fall of top-1 agreement with full depth per 1,000 tokens past 2,048 (the seed measures "
-                    "inter-layer feature decay); full depth: 0 by definition", cfgs, baseline=s[0], ours_baseline=0.0,
+                    "inter-layer feature decay); full depth: 0 by definition", cfgs, baseline=s[0],
+                    ours_baseline=0.0 if d is not None else None,
                     note="" if d is not None else (NO_LASER if not la else
                                                    "the document needs two 512-token bins past 2,048: more than "
                                                    "2,560 tokens (--long-tokens, --ctx-size)")))
