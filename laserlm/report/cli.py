@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..cli_common import add_model_args, check_output_path, load_from_args
@@ -19,6 +20,9 @@ def add_parser(sub) -> None:
                     "scenarios on one model, and print the seed's figure beside ours with the definition of each. "
                     "Run it alone: it times things.")
     add_model_args(s)
+    for action in s._actions:  # the sparse rows use the default sparse settings: these are refused, so not listed
+        if action.dest in ("attention", "sparse_threshold", "sparse_mass", "block_size", "dense_layers"):
+            action.help = argparse.SUPPRESS
     s.add_argument("--laser", default=None, metavar="PATH",
                    help="a laser file for the model (`laserlm calibrate`): the dynamic-path and Laser rows (without "
                         "it those rows say so)")
