@@ -4,12 +4,16 @@ first conversion); tiny random configs are built per test where speed matters.""
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 from laserlm.models.loader import reference_dir
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# measured verify tables (speculative modes on packed weights) go to a file of this run, not the user's cache, so a
+# test never reads a table another run (or a damaged file) left; servers started by tests inherit it
+os.environ["LASERLM_VERIFY_COSTS"] = os.path.join(tempfile.mkdtemp(prefix="laserlm-test-"), "verify_costs.json")
 # LASERLM_TEST_THREADS=1 helps when other jobs share the CPU (2 threads collapse under oversubscription)
 torch.set_num_threads(int(os.environ.get("LASERLM_TEST_THREADS", min(2, os.cpu_count() or 1))))
 

@@ -266,20 +266,32 @@ def test_packed_weights_price_the_verify_with_their_own_cost_table(one_thread, t
     from laserlm.models.packing import pack_model
     from laserlm.speculative.policy import PACKED_VERIFY_TABLES
 
-    kernels.ops()  # built (or found) in the real cache before the cache moves
-    monkeypatch.setenv("LASERLM_CACHE", str(tmp_path))
+    import json
+
+    from laserlm.speculative.calibration import verify_table_key
+
+    costs = tmp_path / "verify_costs.json"
+    monkeypatch.setenv("LASERLM_VERIFY_COSTS", str(costs))
     model = tiny_model(vocab=64)
     float_engine = Engine(copy.deepcopy(model), max_seq_len=128)
     pack_model(model, "int8")
     engine = Engine(model, max_seq_len=128)
     measured = make_mode("speculative:draft=ngram", engine).verify_fit
     assert measured["source"] == "measured on this machine"
-    assert measured["measured"][1] == 1.0 and max(measured["measured"]) == engine.fast_rows
-    assert (tmp_path / "verify_costs.json").is_file()
+    got = measured["measured"]
+    assert got[1] == 1.0 and max(got) == engine.fast_rows and sorted(got) == list(got)
+    assert all(got[a] <= got[b] for a, b in zip(got, list(got)[1:]))  # a wider step never costs less
+    assert costs.is_file()
     again = make_mode("speculative:draft=ngram+suffix", engine).verify_fit
-    assert again == {"measured": measured["measured"], "source": "measured on this machine (cached)"}
-    (tmp_path / "verify_costs.json").write_text("{not json")
-    assert make_mode("speculative:draft=ngram", engine).verify_fit["source"] == "measured on this machine"
+    assert again == {"measured": got, "source": "measured on this machine (cached)"}
+    key = verify_table_key(engine)
+    for damaged in ("{not json", "[1, 2]", json.dumps({key: {"measured": {"1": 1.0}}}),
+                    json.dumps({key: {"measured": {**{str(w): c for w, c in got.items()}, "2": 1e-300}}}),
+                    json.dumps({key: {"measured": {**{str(w): c for w, c in got.items()}, "16": float("inf")}}}),
+                    json.dumps({key: {"measured": {**{str(w): c for w, c in got.items()}, "0": 2.0}}})):
+        costs.write_text(damaged)
+        assert make_mode("speculative:draft=ngram", engine).verify_fit["source"] == "measured on this machine"
+        assert json.loads(costs.read_text())[key]["measured"]["1"] == 1.0  # the entry was replaced
     with pytest.raises(InvalidArgumentError, match="verify_cost=prior"):
         make_mode("speculative:draft=ngram,verify_cost=prior", float_engine)
     mode = make_mode("speculative:draft=ngram,verify_cost=prior", engine)

@@ -178,8 +178,8 @@ def _cpu_name() -> str:
 
 
 def verify_table_key(engine) -> str:
-    """What a packed verify table depends on: this CPU, the kernel variant, torch's threads, and the model's shapes
-    and matrix formats (not its values). A sha256 hex string."""
+    """What a packed verify table depends on: this CPU, the kernel variant and build, torch's version and threads, and
+    the model's shapes and matrix formats (not its values). A sha256 hex string."""
     import hashlib  # noqa: PLC0415
     from collections import Counter  # noqa: PLC0415
 
@@ -193,18 +193,54 @@ def verify_table_key(engine) -> str:
     formats = Counter(FORMAT_NAMES.get(getattr(m, "fmt", None), type(m).__name__)
                       for m in engine.model.modules() if hasattr(m, "qweight"))
     ops = kernels.ops()
-    key = {"cpu": _cpu_name(), "isa": ops.kernel_isa() if ops is not None else None, "threads": torch.get_num_threads(),
-           "shapes": shapes, "formats": sorted(formats.items()), "weights": engine.weights, "dtype": str(engine.dtype),
-           "fast_rows": engine.fast_rows}
+    key = {"cpu": _cpu_name(), "isa": ops.kernel_isa() if ops is not None else None,
+           "kernel_build": Path(getattr(ops, "__file__", "") or "").parent.name, "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "shapes": shapes, "formats": sorted(formats.items()),
+           "weights": engine.weights, "dtype": str(engine.dtype), "fast_rows": engine.fast_rows}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def verify_costs_path() -> Path:
+    """The file of measured verify tables: ``$LASERLM_VERIFY_COSTS``, else ``<laserlm cache>/verify_costs.json``.
+    Delete it (or the entry) to measure again."""
+    import os  # noqa: PLC0415
+
+    from ..models.cache import cache_root  # noqa: PLC0415
+
+    given = os.environ.get("LASERLM_VERIFY_COSTS", "").strip()
+    return Path(given) if given else cache_root() / "verify_costs.json"
+
+
+MIN_VERIFY_COST, MAX_VERIFY_COST = 0.5, 64.0  # a cached c(w) outside this range is damage, not a measurement
+
+
+def _valid_table(table, widths: tuple[int, ...]) -> dict | None:
+    """``{w: c(w)}`` with integer widths, exactly ``widths`` (which start at 1), ``c(1) = 1`` and every cost finite in
+    ``[MIN_VERIFY_COST, MAX_VERIFY_COST]``; else ``None``."""
+    import math  # noqa: PLC0415
+
+    if not isinstance(table, dict):
+        return None
+    try:
+        out = {int(w): float(c) for w, c in table.items()}
+    except (TypeError, ValueError):
+        return None
+    if tuple(sorted(out)) != widths or out[1] != 1.0:
+        return None
+    if not all(math.isfinite(c) and MIN_VERIFY_COST <= c <= MAX_VERIFY_COST for c in out.values()):
+        return None
+    return out
 
 
 def machine_verify_table(engine, refresh: bool = False) -> dict:
     """The verify cost table ``{w: c(w)}`` of a packed-weights engine measured on this machine
     (:func:`fit_verify_cost` over the widths the compiled kernel takes, up to ``engine.fast_rows``), kept in
-    ``<cache>/verify_costs.json`` under :func:`verify_table_key` so a machine, model and thread count pay the
-    measurement (about a second on smollm2-135m) once. ``refresh``: measure again and replace the entry. A cache
-    file that cannot be read or written is ignored (the table is then measured every time).
+    :func:`verify_costs_path` under :func:`verify_table_key` so a machine, model and thread count pay the
+    measurement (about a second on smollm2-135m) once. The measured costs are made non-decreasing in ``w`` (a wider
+    step never costs less; timing noise can say otherwise). ``refresh``: measure again and replace the entry. An
+    entry that is not a valid table for these widths is measured again; a file that cannot be read or written is
+    ignored (the table is then measured every time). Processes that measure at the same moment may each write the
+    file, and one's entry can be lost: it is measured again next time.
 
     Why not the kernel variant's fixed table: one variant prices a verify differently per CPU (AVX-512 on Zen 4,
     which splits 512-bit operations in two, costs 1.65 plain steps at 4 positions where Zen 5 costs 1.33), and a
@@ -213,36 +249,44 @@ def machine_verify_table(engine, refresh: bool = False) -> dict:
     Returns ``{"measured": {w: c(w)}, "source": "measured on this machine" | "... (cached)"}``.
     """
     import os  # noqa: PLC0415
+    import threading  # noqa: PLC0415
 
-    from ..models.cache import cache_root  # noqa: PLC0415
     from .policy import packed_verify_table  # noqa: PLC0415
 
     key = verify_table_key(engine)
-    try:
-        path = cache_root() / "verify_costs.json"
-        saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-        if not isinstance(saved, dict):
-            saved = {}
-    except (OSError, ValueError):
-        path, saved = None, {}
-    entry = saved.get(key)
-    if not refresh and isinstance(entry, dict) and isinstance(entry.get("measured"), dict):
-        try:
-            table = {int(w): float(c) for w, c in entry["measured"].items()}
-            if table.get(1) == 1.0 and all(c > 0 for c in table.values()):
-                return {"measured": table, "source": "measured on this machine (cached)"}
-        except (TypeError, ValueError):
-            pass
     widths = tuple(w for w in packed_verify_table() if w <= engine.fast_rows)
-    table = fit_verify_cost(engine, widths=widths, repeats=5)["measured"]
+    try:
+        path = verify_costs_path()
+        text = path.read_text(encoding="utf-8") if path.is_file() else "{}"
+    except OSError:  # unreadable: measure, and leave the file alone
+        path, text = None, "{}"
+    try:
+        saved = json.loads(text)
+    except ValueError:  # damaged: measured again and rewritten
+        saved = {}
+    if not isinstance(saved, dict):
+        saved = {}
+    entry = saved.get(key)
+    if not refresh and isinstance(entry, dict):
+        table = _valid_table(entry.get("measured"), widths)
+        if table is not None:
+            return {"measured": table, "source": "measured on this machine (cached)"}
+    measured = fit_verify_cost(engine, widths=widths, repeats=5)["measured"]
+    table, top = {}, 1.0
+    for w in widths:
+        top = max(top, min(float(measured[w]), MAX_VERIFY_COST))
+        table[w] = round(top, 3)
     if path is not None:
         saved[key] = {"measured": table, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps(saved, indent=1), encoding="utf-8")
             tmp.replace(path)
         except OSError:
-            pass
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
     return {"measured": table, "source": "measured on this machine"}
 
 

@@ -35,7 +35,8 @@ class SpeculativeOptions:
     min_match: Optional[int] = None
     adaptive: Optional[bool] = None
     suffix_tokens: Optional[int] = None
-    verify_cost: Optional[Union[float, Literal["auto", "prior"]]] = None
+    verify_cost: Optional[Union[float, Literal["auto", "prior"]]] = field(default=None,
+                                                                     metadata={"expect": "a number, auto or prior"})
     verify_base: Optional[float] = None
     batch_above: Optional[int] = None
     head: Optional[str] = None

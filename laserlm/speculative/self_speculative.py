@@ -485,7 +485,8 @@ class SpeculativeDecoding(Mode):
 
     def _verify_cost(self, width: int) -> float:
         """Relative cost of a ``width``-position verify: the table of ``verify_fit`` when there is one
-        (``verify_cost=auto``'s measurement, or the packed-weights prior; interpolated), else
+        (``verify_cost=auto``'s measurement, this machine's cached table, or the packed-weights prior;
+        interpolated), else
         ``1 + verify_base + verify_cost * log2(width)``."""
         if self.verify_fit is not None:
             return table_cost(width, self.verify_fit["measured"])
