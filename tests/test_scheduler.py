@@ -290,8 +290,10 @@ def test_review_findings_are_refused_or_fixed(smol):
     # block-sparse attention: a clear refusal instead of a crash in its decode kernel
     smol.set_attention("sparse")
     try:
-        with pytest.raises(InvalidArgumentError, match="block-sparse attention does not run on the paged KV pool"):
+        with pytest.raises(InvalidArgumentError, match="block-sparse attention does not run with the paged KV pool"):
             smol.generate_batch(["Hello there"], max_new_tokens=2)
+        with pytest.raises(InvalidArgumentError, match=r"does not run with per-request KV allocation \(--kv-prealloc"):
+            smol.generate_batch(["Hello there"], max_new_tokens=2, batch_options={"kv_prealloc": "request"})
     finally:
         smol.set_attention("dense")
     with pytest.raises(InvalidArgumentError, match="unknown batch option"):
