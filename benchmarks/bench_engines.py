@@ -38,11 +38,11 @@ def gguf_path(model: str) -> str:
     return str(BUNDLED[model].locate())
 
 
-def timed(cmd: list[str], env=None) -> tuple[str, float, float]:
+def timed(cmd: list[str], env=None, cwd=None) -> tuple[str, float, float]:
     """Run ``cmd`` under GNU time: (stdout, peak RSS in GiB, wall seconds)."""
     t0 = time.perf_counter()
     proc = subprocess.run(["/usr/bin/time", "-f", "maxrss_kb=%M", *cmd], capture_output=True, text=True,
-                          timeout=3600, env=env)
+                          timeout=3600, env=env, cwd=cwd)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[0]} failed:\n{proc.stderr[-3000:]}")
@@ -61,13 +61,18 @@ def run_llama_bench(binary: str, gguf: str, threads: int, reps: int, extra: list
 
 
 def run_laserlm(model: str, threads: int, reps: int, pythonpath: str | None) -> dict:
+    """``laserlm bench`` in a fresh process: the installed laserlm, or the checkout ``pythonpath`` names. It runs in the
+    temp directory, because ``python -m`` puts the working directory first on ``sys.path``: started from a checkout's
+    root, both arms of an A/B would import that checkout."""
+    if Path(model).exists():
+        model = str(Path(model).resolve())
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         env = dict(os.environ)
         if pythonpath:
-            env["PYTHONPATH"] = pythonpath
+            env["PYTHONPATH"] = str(Path(pythonpath).resolve())
         cmd = [sys.executable, "-m", "laserlm.cli", "bench", "--model", model, "--no-hf", "--no-llamacpp",
                "-t", str(threads), "-r", str(reps), "--tests", "pp,tg", "--json", f.name, "--no-progress"]
-        _, rss, wall = timed(cmd, env=env)
+        _, rss, wall = timed(cmd, env=env, cwd=tempfile.gettempdir())
         row = json.load(open(f.name))["rows"][0]
     return {"pp512": row["pp512"], "tg128": row["tg128"], "rss_gib": rss, "wall_s": wall}
 
