@@ -159,6 +159,30 @@ def test_native_load_equals_the_float_path_and_hashes_alike(cut, cache):
         assert torch.equal(again.model(ids).logits, ref.model(ids).logits)
 
 
+def test_k_quants_kept_natively_on_request(cut, cache, monkeypatch):
+    """``LASERLM_KQUANTS=native`` keeps the file's Q4_K and Q6_K tensors (Gemma3's) as they are, in a packed cache of
+    its own: its logits are closer to transformers' float model (which dequantizes them exactly) than the default
+    conversions (Q4_1 with fp16 scales, Q8_0), and equal again when read back from the cache."""
+    from gguf import GGMLQuantizationType as T
+
+    from laserlm.models.gguf_file import GGUFTensors
+    from laserlm.models.loader import load_model, packed_cache_path
+
+    if not any(t.tensor_type in (T.Q4_K, T.Q6_K) for t in GGUFTensors(cut).tensors):
+        pytest.skip("no Q4_K or Q6_K tensor in this file")
+    ref = load_model(str(cut), weights="fp32")
+    default = load_model(str(cut), weights="native")
+    monkeypatch.setenv("LASERLM_KQUANTS", "native")
+    kept = load_model(str(cut), weights="native")
+    assert {"Q4_K", "Q6_K"} <= set(kept.pack_report.formats) and not {"Q4_K", "Q6_K"} & set(default.pack_report.formats)
+    assert packed_cache_path(kept.path, "native").name.startswith("packed-native-kquants-")
+    ids = torch.tensor([kept.tokenizer("The capital of France is a city with")["input_ids"]])
+    with torch.no_grad():
+        r, d, k = ref.model(ids).logits, default.model(ids).logits, kept.model(ids).logits
+        assert (k - r).norm() < (d - r).norm()
+        assert torch.equal(load_model(str(cut), weights="native").model(ids).logits, k)
+
+
 def test_too_large_for_memory_is_refused_before_allocation(cut, cache, monkeypatch):
     from laserlm.models.loader import load_model
 

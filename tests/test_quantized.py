@@ -143,6 +143,155 @@ def test_q4_0_blocks_match_gguf():
     _check_matmul(blocks, fmt, ref.astype(np.float64))
 
 
+def _random_q6_k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """GGUF Q6_K rows ``uint8 [n, k / 256 * 210]`` of random bytes (every 6-bit value and int8 scale occurs) with a
+    finite positive fp16 ``d`` per super-block."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, 210), dtype=np.uint8)
+    d = (rng.random((n, k // 256)) * 1e-3 + 1e-5).astype(np.float16)
+    raw[..., 208:] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return raw.reshape(n, -1)
+
+
+def test_q6_k_blocks_are_kept_and_match_gguf(monkeypatch):
+    """With ``LASERLM_KQUANTS=native`` a GGUF Q6_K matrix is kept as Q6_K (no re-quantization): the PyTorch and compiled
+    dequantizations are bit-exact with gguf's, the kernel layout round-trips, and the matmul is within the
+    activation-rounding bound of a float64 matmul over gguf's values. By default it becomes Q8_0; a bad value is
+    refused."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    n, k = 37, 512
+    raw = _random_q6_k(n, k)
+    monkeypatch.delenv("LASERLM_KQUANTS", raising=False)
+    assert quant.from_gguf(raw, int(T.Q6_K), n, k)[2] == quant.Q8_0
+    monkeypatch.setenv("LASERLM_KQUANTS", "bogus")
+    with pytest.raises(InvalidArgumentError, match="LASERLM_KQUANTS='bogus'"):
+        quant.from_gguf(raw, int(T.Q6_K), n, k)
+    monkeypatch.setenv("LASERLM_KQUANTS", " Native ")
+    kind, blocks, fmt, how = quant.from_gguf(raw, int(T.Q6_K), n, k)
+    assert (kind, fmt, how) == ("blocks", quant.Q6_K, "exact") and blocks.shape == (n, quant.row_bytes(fmt, k))
+    ref = np.asarray(dequantize(raw, T.Q6_K), dtype=np.float32).reshape(n, k)
+    assert np.array_equal(quant.dequantize_reference(blocks, fmt, k).numpy(), ref)
+    qweight = quant.kernel_layout(blocks, fmt)
+    assert qweight.shape == (3, 16 * 2 * 210)  # groups of 16 rows x 2 super-blocks x 210 bytes: Q6_K's bytes
+    assert torch.equal(quant.row_layout(qweight, fmt, n), blocks)
+    assert np.array_equal(quant.dequantize(qweight, fmt, k, n).numpy(), ref)
+    rows = torch.tensor([36, 0, 17])
+    assert np.array_equal(quant.dequantize(qweight, fmt, k, n, rows).numpy(), ref[rows.numpy()])
+    _check_matmul(blocks, fmt, ref.astype(np.float64))
+    lin = quant.QuantLinear(blocks, fmt, k)
+    assert lin.nbytes == 3 * 16 * 2 * 210 and torch.equal(lin.blocks, blocks)
+
+
+def _random_q4_k(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """GGUF Q4_K rows ``uint8 [n, k / 256 * 144]`` of random bytes (every 6-bit scale and min occurs) with finite
+    positive fp16 ``d`` and ``dmin``."""
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n, k // 256, 144), dtype=np.uint8)
+    raw[..., 0:4] = (rng.random((n, k // 256, 2)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def test_q4_k_blocks_are_kept_and_match_gguf(monkeypatch):
+    """With ``LASERLM_KQUANTS=native`` a GGUF Q4_K matrix is kept as Q4_K: the PyTorch and compiled dequantizations
+    are bit-exact with gguf's, the kernel layout round-trips, the matmul is within the activation-rounding bound of a
+    float64 matmul over gguf's values. By default, and for the ONNX export, it becomes Q4_1 blocks within fp16
+    rounding of the scales."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    n, k = 37, 512
+    raw = _random_q4_k(n, k)
+    ref = np.asarray(dequantize(raw, T.Q4_K), dtype=np.float32).reshape(n, k)
+    monkeypatch.delenv("LASERLM_KQUANTS", raising=False)
+    kind, blocks, fmt, how = quant.from_gguf(raw, int(T.Q4_K), n, k)
+    assert fmt == quant.Q4_1 and "fp16" in how
+    as_q4_1 = quant.dequantize_reference(blocks, quant.Q4_1, k).numpy()
+    assert np.all(np.abs(as_q4_1 - ref) <= 2 ** -10 * (np.abs(ref) + np.abs(ref).max(-1, keepdims=True)))
+    monkeypatch.setenv("LASERLM_KQUANTS", "native")
+    kind, blocks, fmt, how = quant.from_gguf(raw, int(T.Q4_K), n, k)
+    assert (kind, fmt, how) == ("blocks", quant.Q4_K, "exact") and blocks.shape == (n, 2 * 144)
+    assert np.array_equal(quant.dequantize_reference(blocks, fmt, k).numpy(), ref)
+    qweight = quant.kernel_layout(blocks, fmt)
+    assert qweight.shape == (3, quant.group_bytes(fmt, k)) and quant.group_bytes(fmt, k) == 2 * 2368
+    assert torch.equal(quant.row_layout(qweight, fmt, n), blocks)
+    assert np.array_equal(quant.dequantize(qweight, fmt, k, n).numpy(), ref)
+    rows = torch.tensor([36, 0, 17])
+    assert np.array_equal(quant.dequantize(qweight, fmt, k, n, rows).numpy(), ref[rows.numpy()])
+    _check_matmul(blocks, fmt, ref.astype(np.float64))
+    lin = quant.QuantLinear(blocks, fmt, k)
+    assert lin.nbytes == 3 * 2 * 2368 and torch.equal(lin.blocks, blocks)
+    assert quant.QuantLinear.from_qweight(qweight, fmt, k, n).qweight.data_ptr() == qweight.data_ptr()
+    assert np.array_equal(quant.dequantize_reference(quant.q4_k_as_q4_1(blocks), quant.Q4_1, k).numpy(), as_q4_1)
+
+
+@pytest.mark.parametrize("fmt_name", ["Q6_K", "Q4_K"])
+def test_superblock_kernel_variants_agree_and_rows_are_independent(fmt_name, monkeypatch):
+    """The avx512, avx2 and scalar Q6_K / Q4_K kernels give bit-identical results, and a row's result never depends
+    on how many rows share the call (1 to 20: one pass, and passes over spans in L1)."""
+    from gguf import GGMLQuantizationType as T
+
+    ops = kernels.ops()
+    n, k = 300, 1024
+    make = _random_q6_k if fmt_name == "Q6_K" else _random_q4_k
+    monkeypatch.setenv("LASERLM_KQUANTS", "native")
+    _, blocks, fmt, _ = quant.from_gguf(make(n, k, seed=3), int(T[fmt_name]), n, k)
+    qweight = quant.kernel_layout(blocks, fmt)
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(0))
+    best = ops.kernel_isa()
+    outs = {}
+    try:
+        for isa in ("avx512", "avx2", "scalar"):
+            if isa == "avx512" and ops.best_isa() != "avx512" or isa == "avx2" and ops.best_isa() == "scalar":
+                continue
+            ops.set_isa(isa)
+            outs[isa] = full = ops.qmatmul(x, qweight, fmt, k, n)
+            for t in (1, 2, 5, 6, 7, 16, 20):
+                assert torch.equal(ops.qmatmul(x[:t], qweight, fmt, k, n), full[:t]), (isa, t)
+    finally:
+        ops.set_isa(best)
+    first = next(iter(outs.values()))
+    assert all(torch.equal(o, first) for o in outs.values()), list(outs)
+
+
+def test_q6_k_quantizer_writes_blocks_gguf_reads():
+    """laserlm's round-to-nearest Q6_K (used for adapted matrices of a GGUF's Q6_K tensors) writes GGUF's block
+    format: gguf's dequantization of its bytes is laserlm's, within a 6-bit rounding of the float matrix."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    w = torch.from_numpy(np.random.default_rng(2).standard_normal((48, 512)).astype(np.float32))
+    blocks = quant.quantize_matrix(w, quant.Q6_K)
+    ours = quant.dequantize_reference(blocks, quant.Q6_K, 512)
+    assert np.array_equal(np.asarray(dequantize(blocks.numpy(), T.Q6_K), dtype=np.float32).reshape(48, 512), ours.numpy())
+    step = w.reshape(48, 2, 16, 16).abs().amax(-1, keepdim=True) / 31  # a sub-block's step before sc's rounding
+    err = (ours - w).reshape(48, 2, 16, 16).abs()
+    assert (err <= step * 0.6 + 1e-6).float().mean() > 0.999 and ((ours - w).norm() / w.norm()) < 0.03
+    with pytest.raises(InvalidArgumentError, match="multiple of 256"):
+        quant.quantize_q6_k(w[:, :320])
+    with pytest.raises(InvalidArgumentError, match="multiple of 256"):
+        quant.QuantLinear(blocks[:, :210], quant.Q6_K, 320)
+
+
+def test_q4_k_quantizer_writes_blocks_gguf_reads():
+    """laserlm's round-to-nearest Q4_K (for adapted matrices of a GGUF's Q4_K tensors) writes GGUF's block format:
+    gguf's dequantization of its bytes is laserlm's, within a 4-bit rounding of the float matrix."""
+    from gguf import GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    w = torch.from_numpy(np.random.default_rng(4).standard_normal((48, 512)).astype(np.float32))
+    blocks = quant.quantize_matrix(w, quant.Q4_K)
+    ours = quant.dequantize_reference(blocks, quant.Q4_K, 512)
+    assert np.array_equal(np.asarray(dequantize(blocks.numpy(), T.Q4_K), dtype=np.float32).reshape(48, 512), ours.numpy())
+    b = w.reshape(48, 2, 8, 32)
+    step = (b.amax(-1, keepdim=True) - b.amin(-1, keepdim=True).clamp(max=0)) / 15
+    err = (ours - w).reshape(48, 2, 8, 32).abs()
+    assert (err <= step * 0.6 + 1e-6).float().mean() > 0.99 and ((ours - w).norm() / w.norm()) < 0.12
+    with pytest.raises(InvalidArgumentError, match="multiple of 256"):
+        quant.quantize_q4_k(w[:, :320])
+
+
 def test_int4_int8_quantizers_match_gguf_reference():
     """laserlm's round-to-nearest Q4_1 / Q8_0 quantizers produce gguf's blocks (its reference quantizer)."""
     from gguf import GGMLQuantizationType as T
@@ -160,7 +309,7 @@ def test_int4_int8_quantizers_match_gguf_reference():
 
 @pytest.mark.slow
 def test_gemma3_tensor_types_match_gguf_dequantize():
-    """Gemma3-270M's Q5_0 (exact as Q8_0), Q4_K (as Q4_1, scales rounded to fp16), Q6_K and Q8_0 tensors."""
+    """Gemma3-270M's Q5_0 (exact as Q8_0), Q4_K (as Q4_1, scales rounded to fp16), Q6_K (as Q8_0) and Q8_0 tensors."""
     from gguf import GGMLQuantizationType as T
     from gguf.quants import dequantize
 
@@ -259,6 +408,71 @@ def test_layer_stack_equals_one_call_per_layer(smol_native):
         eng._stack.stack.run(torch.zeros(1, 1, 576), [10_000], [torch.zeros(1, 64)], [torch.zeros(1, 64)],
                              [torch.zeros(1, 3, 8, 64)], [torch.zeros(1, 3, 8, 64)], 0, [torch.empty(0)])
     assert isinstance(ops.LayerStack(), ops.LayerStack)
+
+
+def test_layer_kernel_takes_a_projection_in_parts(smol_native):
+    """The whole-layer kernel given q/k/v and gate/up as separate row blocks (what a fused projection of mixed formats
+    passes) computes exactly what the fused matrices compute; row counts that do not add up are refused."""
+    ops = kernels.ops()
+    norms, eps, mats, fmts, rows, bias, h, hkv, hd, scaling, window, act, inter = \
+        packed_layers._native_args(smol_native.engine.adapter.layers[0])
+    assert len(mats) == 4
+    qr, kvr = h * hd, hkv * hd
+    parts = [mats[0][: qr // 16], mats[0][qr // 16: (qr + kvr) // 16], mats[0][(qr + kvr) // 16:], mats[1],
+             mats[2][: inter // 16], mats[2][inter // 16:], mats[3]]
+    pfmts = [fmts[0]] * 3 + [fmts[1]] + [fmts[2]] * 2 + [fmts[3]]
+    prows = [qr, kvr, kvr, rows[1], inter, inter, rows[3]]
+    g = torch.Generator().manual_seed(0)
+    hidden, cos, sin = torch.randn(1, 3, 576, generator=g), torch.randn(3, hd, generator=g), torch.randn(3, hd, generator=g)
+
+    def run(m, f, r):
+        k, v = torch.zeros(1, hkv, 8, hd), torch.zeros(1, hkv, 8, hd)
+        out = ops.decode_layer(hidden, norms, eps, [t.contiguous() for t in m], f, r, bias, cos, sin, k, v, 0, h, hkv,
+                               hd, scaling, window, act, inter)
+        return out, k, v
+
+    whole, split, unnamed = run(mats, fmts, rows), run(parts, pfmts, prows), run(mats, fmts, [])
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(whole, split, unnamed))
+    with pytest.raises(RuntimeError, match="exceed"):
+        run(parts, pfmts, [qr, kvr, kvr + 16] + prows[3:])
+    with pytest.raises(RuntimeError, match="one format and one row count per matrix part"):
+        run(parts, pfmts, [])
+
+
+def test_mixed_format_projection_runs_the_layer_kernel(smol_native):
+    """A fused q/k/v whose v has another block format (a Q4_K_M file's Q6_K v beside Q4_K q/k; here Q8_0 beside the
+    file's Q4_1) still takes the compiled layer kernel, and its logits match the PyTorch ops on the same matrices."""
+    from laserlm.models.packing import _Concat
+
+    eng = smol_native.engine
+    layer = eng.adapter.layers[0]
+    pk = layer.laserlm_packed
+    saved = pk.qkv
+    qkv_w = saved.weight  # [(H + 2 Hkv) hd, d] dequantized
+    split = pk.q_size + pk.kv_size
+    qk = quant.QuantLinear.from_qweight(saved.qweight[: split // 16], saved.fmt, saved.in_features, split)
+    v = quant.QuantLinear(quant.quantize_q8_0(qkv_w[split:]), quant.Q8_0, saved.in_features)
+    ids = torch.tensor([[1, 415, 3575, 282, 4649, 314]])
+    steps = [torch.tensor([[28]]), torch.tensor([[253, 30, 1013]])]
+    try:
+        object.__setattr__(pk, "qkv", _Concat([qk, v]))
+        object.__setattr__(pk, "_native", None)
+        eng._stack = None
+        assert packed_layers._native_args(layer) is not None
+        assert eng._native_stack().id_of(layer) is not None
+        a = _logits(eng, ids, steps)
+        eng.native_layers = False
+        try:
+            b = _logits(eng, ids, steps)
+        finally:
+            eng.native_layers = True
+    finally:
+        object.__setattr__(pk, "qkv", saved)
+        object.__setattr__(pk, "_native", None)
+        eng._stack = None
+    rel = ((a - b).norm() / b.norm()).item()
+    assert rel < 1e-2, rel
+    assert (a.argmax(-1) == b.argmax(-1)).all()
 
 
 def test_stack_returns_the_attention_probabilities_adaptive_depth_wants(smol_native):

@@ -4,8 +4,12 @@
 ``MatMul`` whose constant matrix is one of the model's projections (q/k/v/o, gate/up/down, the LM head) by
 onnxruntime's contrib operator ``com.microsoft.MatMulNBits`` holding *the same blocks* the PyTorch engine runs
 with that ``--weights`` (:mod:`laserlm.models.packing`): the GGUF file's own ``Q4_1`` / ``Q8_0`` tensors for
-``native``, laserlm's round-to-nearest ones for ``int4`` / ``int8``. Nothing is re-quantized (onnxruntime's own
-``MatMulNBitsQuantizer`` re-quantizes the dequantized float weights, a second rounding that raises perplexity noticeably).
+``native``, laserlm's round-to-nearest ones for ``int4`` / ``int8``. Nothing is re-quantized but what ``MatMulNBits``
+cannot hold: a GGUF's ``Q4_K`` and ``Q6_K`` matrices kept by ``LASERLM_KQUANTS=native`` become ``Q4_1`` blocks (the
+same 4-bit values, each 32-weight block's scale and min rounded to fp16) and ``Q8_0`` of their dequantized values.
+(onnxruntime's own
+``MatMulNBitsQuantizer`` re-quantizes every dequantized float weight, a second rounding that raises perplexity
+noticeably.)
 
 Mapping (``W [N, K]``, blocks of 32 along K, ``nb = K / 32``):
 
@@ -59,7 +63,8 @@ def weight_index(float_model) -> dict[bytes, str]:
 def _blocks_of(mod):
     """``(blocks uint8 [N, nb * bytes], fmt)`` of a packed projection, or ``None`` for a float matrix."""
     from ..models.packing import _Concat  # noqa: PLC0415
-    from ..models.quant import QuantLinear, RowSlice  # noqa: PLC0415
+    from ..models.quant import (Q4_1, Q4_K, Q6_K, Q8_0, QuantLinear, RowSlice, dequantize_reference,  # noqa: PLC0415
+                                q4_k_as_q4_1, quantize_q8_0)
 
     start, stop = 0, mod.out_features
     if isinstance(mod, RowSlice):
@@ -75,6 +80,11 @@ def _blocks_of(mod):
             return None
     if not isinstance(mod, QuantLinear):
         return None
+    if mod.fmt == Q6_K:  # MatMulNBits has no 6-bit form: Q8_0 of the dequantized rows (a second rounding)
+        w = dequantize_reference(mod.blocks[start:stop], Q6_K, mod.in_features)
+        return quantize_q8_0(w), Q8_0
+    if mod.fmt == Q4_K:  # as Q4_1 blocks: the same 4-bit values, scales and mins rounded to fp16
+        return q4_k_as_q4_1(mod.blocks[start:stop]), Q4_1
     return mod.blocks[start:stop], mod.fmt
 
 

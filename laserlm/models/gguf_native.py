@@ -11,7 +11,7 @@ rotary frequencies real). Then:
 
 No float tensor of a packed matrix's shape is made, and nothing is written beside the file but the config and
 tokenizer (``laserlm.models.loader.convert_gguf``) and, as for every packed model, the packed-weights cache. Peak
-memory is the packed bytes plus one tensor's conversion (a Q4_K matrix -> Q4_1 blocks in the kernel layout).
+memory is the packed bytes plus one tensor's conversion (a few groups of 16 rows at a time into the kernel layout).
 
 The weights hash (:mod:`laserlm.models.weights_hash`) of such a model is taken only when something asks for it (a
 laser file, a draft head, a delta): by streaming, each matrix dequantized :data:`HASH_ROWS` rows at a time in
@@ -134,15 +134,24 @@ def build_meta_model(config, dtype: torch.dtype = torch.float32) -> nn.Module:
 
 
 def packed_size_estimate(gguf_path) -> int:
-    """Bytes the packed model will hold: every tensor's bytes in the file, Q4_K counted as Q4_1 (+11 %) and the
-    types re-quantized to Q8_0 (Q5_K, Q6_K, ...) as Q8_0 (34 bytes per 32 weights), float tensors as float32."""
+    """Bytes the packed model will hold: every tensor's bytes in the file, Q4_K counted as Q4_1 (+11 %; kept, 148 bytes
+    per 256 weights, +2.8 %) and the types re-quantized to Q8_0 (Q5_K, Q6_K unless kept, ...) as Q8_0 (34 bytes per 32
+    weights), float tensors as float32."""
     from gguf import GGMLQuantizationType as T  # noqa: PLC0415
+
+    from .quant import kquant_mode  # noqa: PLC0415
+
+    native = kquant_mode() == "native"
 
     total = 0
     for t in (gguf_path if isinstance(gguf_path, GGUFTensors) else GGUFTensors(gguf_path)).tensors:
         n = int(t.n_elements)
-        if t.tensor_type in (T.Q4_0, T.Q4_1, T.Q4_K):
+        if t.tensor_type in (T.Q4_0, T.Q4_1) or (t.tensor_type == T.Q4_K and not native):
             total += n // 32 * 20
+        elif t.tensor_type == T.Q4_K:
+            total += n // 256 * 148
+        elif t.tensor_type == T.Q6_K and native:
+            total += n // 256 * 210
         elif t.tensor_type in (T.F32, T.F16, T.BF16):
             total += n * 4
         else:

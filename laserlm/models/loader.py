@@ -330,8 +330,10 @@ def packed_cache_path(where, weights: str) -> Path | None:
     under ``<cache>/packed/`` keyed by the directory's path and its weight files' sizes and times; ``None`` for
     a hub id."""
     from .packing import PACK_FORMAT_VERSION  # noqa: PLC0415
+    from .quant import kquant_mode  # noqa: PLC0415
 
-    return _cache_file_for(where, f"packed-{weights}-v{PACK_FORMAT_VERSION}.safetensors")
+    variant = "-kquants" if weights == "native" and kquant_mode() == "native" else ""
+    return _cache_file_for(where, f"packed-{weights}{variant}-v{PACK_FORMAT_VERSION}.safetensors")
 
 
 def _cache_file_for(where, name: str) -> Path | None:

@@ -81,17 +81,28 @@ def _attention(layer, pk, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     return pk.o(out.reshape(b, t, -1))
 
 
+def _block_parts(mod) -> list | None:
+    """The block matrices a packed projection multiplies with, in the order of its output rows: ``[mod]`` for a
+    :class:`QuantLinear`, the parts of a fused projection whose parts have different formats, ``None`` when any part
+    is a float matrix."""
+    parts = getattr(mod, "parts", None) if not isinstance(mod, QuantLinear) else [mod]
+    if parts is None or not all(isinstance(p, QuantLinear) for p in parts):
+        return None
+    return list(parts)
+
+
 def _native_args(layer):
     """Static arguments of the compiled whole-layer kernel for ``layer``, or ``None`` when it cannot take
-    the layer (a float or mixed-format matrix, biases outside q/k/v, another activation)."""
+    the layer (a float matrix, biases outside q/k/v, another activation). A fused projection of parts in different
+    block formats (a Q4_K_M file's v or down beside Q4_K matrices) is passed part by part."""
     pk = layer.laserlm_packed
     cached = getattr(pk, "_native", None)
     if cached is not None:
         return cached or None
     a, cfg = layer.self_attn, layer.self_attn.config
-    mats = (pk.qkv, pk.o, pk.gate_up, pk.down)
+    mats = [_block_parts(m) for m in (pk.qkv, pk.o, pk.gate_up, pk.down)]
     act = _ACTS.get(getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", None))
-    ok = (all(isinstance(m, QuantLinear) for m in mats) and all(m.bias is None for m in mats[1:]) and act is not None)
+    ok = (all(m is not None for m in mats) and all(p.bias is None for m in mats[1:] for p in m) and act is not None)
     if not ok:
         object.__setattr__(pk, "_native", ())
         return None
@@ -105,8 +116,12 @@ def _native_args(layer):
     q_norm = getattr(a, "q_norm", None)
     norms += [_norm_params(q_norm)[0], _norm_params(a.k_norm)[0]] if q_norm is not None else [_EMPTY, _EMPTY]
     hd = a.head_dim
-    args = (norms, eps, [m.qweight for m in mats], [m.fmt for m in mats],
-            pk.qkv.bias if pk.qkv.bias is not None else _EMPTY, pk.q_size // hd, pk.kv_size // hd, hd,
+    parts = [p for m in mats for p in m]
+    qkv_bias = [p.bias for p in mats[0]]
+    bias = (_EMPTY if all(b is None for b in qkv_bias) else
+            torch.cat([b if b is not None else torch.zeros(p.out_features) for b, p in zip(qkv_bias, mats[0])]))
+    args = (norms, eps, [p.qweight for p in parts], [p.fmt for p in parts], [p.out_features for p in parts],
+            bias.contiguous(), pk.q_size // hd, pk.kv_size // hd, hd,
             float(a.scaling), int(_sliding_window(layer) or 0), act, pk.intermediate)
     object.__setattr__(pk, "_native", args)
     return args
@@ -138,7 +153,7 @@ def _paged_decode_layer(ops, args, hidden, cos, sin, cache, idx):
     """The kernel on each row of a paged window: the row's pages of layer ``idx`` gathered into a contiguous
     ``[1, n_kv, pages * page_size, hd]`` buffer (rows shorter than the batch's longest end in null pages, which
     the kernel never reads: it attends to ``[0, start + T)``), the new positions copied back to their pages."""
-    norms, eps, mats, fmts, bias, h, hkv, hd, scaling, window, act, inter = args
+    norms, eps, mats, fmts, rows, bias, h, hkv, hd, scaling, window, act, inter = args
     pool, ps = cache.pool, cache.pool.page_size
     outs = []
     for r in range(hidden.shape[0]):
@@ -148,7 +163,7 @@ def _paged_decode_layer(ops, args, hidden, cos, sin, cache, idx):
         v = torch.index_select(pool.v, 1, tab).view(shape)
         pos = cache.row_positions[r]  # [T] the row's new positions
         c, s_ = (cos[r], sin[r]) if cos.shape[0] > 1 else (cos[0], sin[0])
-        outs.append(ops.decode_layer(hidden[r:r + 1], norms, eps, mats, fmts, bias, c, s_, k, v, int(pos[0]), h,
+        outs.append(ops.decode_layer(hidden[r:r + 1], norms, eps, mats, fmts, rows, bias, c, s_, k, v, int(pos[0]), h,
                                      hkv, hd, scaling, window, act, inter))
         page, off = cache.new_slots
         pid = tab[page[r]]
@@ -176,10 +191,10 @@ def _native_layer(layer, hidden, cos, sin, cache):
     args = _native_args(layer)
     if args is None or (cache.pool.k.dtype if paged else cache.k[idx].dtype) != torch.float32:
         return None
-    norms, eps, mats, fmts, bias, h, hkv, hd, scaling, window, act, inter = args
+    norms, eps, mats, fmts, rows, bias, h, hkv, hd, scaling, window, act, inter = args
     if paged:
         return _paged_decode_layer(ops, args, hidden, cos, sin, cache, idx)
-    return ops.decode_layer(hidden, norms, eps, mats, fmts, bias, cos[0], sin[0], cache.k[idx], cache.v[idx],
+    return ops.decode_layer(hidden, norms, eps, mats, fmts, rows, bias, cos[0], sin[0], cache.k[idx], cache.v[idx],
                             cache.start, h, hkv, hd, scaling, window, act, inter)
 
 
@@ -246,7 +261,7 @@ def native_stack_run(stack: NativeStack, layers, start: int, stop: int, hidden: 
             cos.append(c[0])
             sin.append(s_[0])
             if j in ctx.want_probs:
-                heads = _native_args(layers[j])[5]  # cached on the layer; registered, so not None
+                heads = _native_args(layers[j])[6]  # cached on the layer; registered, so not None
                 ctx.probs[j] = torch.zeros(hidden.shape[0], heads, hidden.shape[1], cache.end)
                 probs.append(ctx.probs[j])
             else:

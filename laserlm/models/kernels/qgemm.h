@@ -4,6 +4,10 @@
 // Block formats (the semantics and sizes of GGUF's; GGUF Q4_0 becomes Q4_1 with m = -8 d, exactly):
 //   Q4_1  20 bytes per block: 32 x 4-bit q, fp16 d, fp16 m     w = d * q + m,  q in 0..15
 //   Q8_0  34 bytes per block: 32 x int8 q, fp16 d              w = d * q
+//   Q6_K  210 bytes per super-block of 256 weights (GGUF's): 256 x 6-bit q, 16 int8 scales sc (one per 16 weights),
+//         fp16 d                                              w = d * sc[k / 16] * (q - 32),  q in 0..63
+//   Q4_K  144 bytes per super-block of 256 weights (GGUF's): 256 x 4-bit q, 8 6-bit scales sc and mins m (one per 32
+//         weights), fp16 d and dmin                           w = (d * sc[k / 32]) * q - dmin * m[k / 32]
 //
 // Kernel layout ("groups of 16 rows"): the N rows of W are taken 16 at a time (G = ceil(N / 16) groups; rows past N
 // are zero). Group g is one contiguous run of nb = K / 32 block regions; the region of block b holds the 16 rows'
@@ -13,6 +17,15 @@
 //        chunk h (weights 8h .. 8h + 7 of the block): byte j (0..3) of lane c = q[8h + j] | q[8h + 4 + j] << 4
 //   Q8_0 region, 544 bytes: 8 chunks of 64 bytes, then 16 fp16 d.
 //        chunk h (weights 4h .. 4h + 3): byte j of lane c = q[4h + j]
+//   Q6_K  takes 8 blocks (one super-block) per region: 3,360 bytes per 256 weights of 16 rows (420 per 32, the bytes of
+//        GGUF's Q6_K exactly): 16 sub-block records of 192 bytes, then 16 x 16 int8 sc (byte 16 s + c: sub-block s of
+//        lane c), then 16 fp16 d. Record s (weights 16 s .. 16 s + 15): two chunks of 64 bytes in Q4_1's form holding
+//        the low 4 bits (chunk e: byte j of lane c = low(q[16 s + 8 e + j]) | low(q[16 s + 8 e + 4 + j]) << 4), then
+//        64 bytes of high bits (byte j of lane c, bits 2 i .. 2 i + 1 = q[16 s + 4 i + j] >> 4).
+//   Q4_K  takes 8 blocks per region too: 2,368 bytes per 256 weights of 16 rows (296 per 32; GGUF's Q4_K has 288, as it
+//        packs the scales in 6 bits): the 8 blocks' quants in Q4_1's form (256 bytes each), then 8 x 16 uint8 sc
+//        (byte 16 b + c), 8 x 16 uint8 m, 16 fp16 d, 16 fp16 dmin. A block is computed as Q4_1 with d_w = d * sc and
+//        m_w = -(dmin * m), both exact in float32.
 // A matrix is a uint8 tensor [G, nb * 16 * block_bytes]. This is llama.cpp's idea of interleaved repacks
 // (block_q4_0x8 and its GEMV / GEMM split) taken to 16 rows: a vector multiply-add computes one partial dot product
 // per row, so a block's 16 dot products need no horizontal reduction, and each weight vector, unpacked once, serves
@@ -23,6 +36,8 @@
 // which matters on small models whose hidden states have large outlier channels). Each block dot product is then an
 // exact integer sum(q_w q_x), and every output is accumulated in float, block by block in order:
 //   acc = fma(float(sum_b q_w q_x), d_w * d_x, acc)        (Q4_1 also: acc = fma(m_w, sum_b x, acc))
+// (Q6_K: one such step per 16-weight sub-block, with the exact integer sum(q_w q_x) - 32 sum(q_x) and the scale
+// (d_w * sc) * d_x, sub-blocks in order.)
 // so a row's result does not depend on how many rows share the call, on the tile that computed it, on the thread
 // split, or on the instruction set. Three variants compute the same integer sums, picked at run time:
 //   avx512: AVX512-VNNI (Zen 4 / Zen 5, Xeon Ice Lake and later): 16 rows per zmm, x = 256 hi + lo with lo in
@@ -64,16 +79,28 @@ namespace {
 
 constexpr int QK = 32;
 constexpr int GR = 16;  // rows per group
-enum Fmt : int64_t { Q4_1 = 3, Q8_0 = 8 };  // GGML type ids of the semantics
+enum Fmt : int64_t { Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  // GGML type ids of the semantics
+constexpr int64_t Q4K_REGION = 2368;  // one Q4_K region: 16 rows x 256 weights
+constexpr int64_t Q4K_SC = 2048, Q4K_M = 2176, Q4K_D = 2304, Q4K_DMIN = 2336;  // offsets in a region
+constexpr int64_t Q6K_REGION = 3360;  // one Q6_K region: 16 rows x 256 weights
+constexpr int64_t Q6K_SUB = 192;      // one sub-block record of a Q6_K region (16 rows x 16 weights)
+constexpr int64_t Q6K_SC = 16 * Q6K_SUB, Q6K_D = Q6K_SC + 256;  // offsets of the scales and of d in a region
 
-inline int block_bytes(int64_t fmt) {
+// bytes of 16 rows x 32 weights (a Q6_K region covers 8 such blocks)
+inline int64_t region_bytes(int64_t fmt) {
   switch (fmt) {
-    case Q4_1: return 20;
-    case Q8_0: return 34;
+    case Q4_1: return GR * 20;
+    case Q8_0: return GR * 34;
+    case Q6_K: return Q6K_REGION / 8;
+    case Q4_K: return Q4K_REGION / 8;
   }
   TORCH_CHECK(false, "laserlm kernels: unsupported block format ", fmt);
 }
-inline int64_t region_bytes(int64_t fmt) { return GR * block_bytes(fmt); }
+inline int64_t block_weights(int64_t fmt) { return fmt == Q6_K || fmt == Q4_K ? 256 : QK; }  // K: a multiple of this
+// Where block b's quants start in a group, and (super-block formats) its region.
+inline const uint8_t* block_quants(int64_t fmt, const uint8_t* gw, int64_t b) {
+  return fmt == Q4_K ? gw + (b / 8) * Q4K_REGION + (b % 8) * 256 : gw + b * region_bytes(fmt);
+}
 inline int64_t quant_bytes(int64_t fmt) { return fmt == Q8_0 ? 512 : 256; }  // per region, before the scales
 inline int64_t n_groups(int64_t N) { return (N + GR - 1) / GR; }
 
@@ -83,6 +110,14 @@ inline float fp16_to_fp32(uint16_t h) {
 #else
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif
+}
+
+// Q4_K: lane c's d_w = d * sc and m_w = dmin * m (to be negated) of block b
+inline void q4k_scales(const uint8_t* gw, int64_t b, int c, float* dw, float* mw) {
+  const uint8_t* r = gw + (b / 8) * Q4K_REGION;
+  const int bb = static_cast<int>(b % 8);
+  *dw = fp16_to_fp32(reinterpret_cast<const uint16_t*>(r + Q4K_D)[c]) * static_cast<float>(r[Q4K_SC + 16 * bb + c]);
+  *mw = fp16_to_fp32(reinterpret_cast<const uint16_t*>(r + Q4K_DMIN)[c]) * static_cast<float>(r[Q4K_M + 16 * bb + c]);
 }
 
 // ---- instruction set ----------------------------------------------------------------------------------------------
@@ -126,6 +161,7 @@ struct Acts {
   std::vector<uint8_t> lo, hi;
   std::vector<int16_t> q16;
   std::vector<float> d, s;
+  std::vector<int32_t> s16;  // Q6_K: the integer sum of each run of 16 values [T, K / 16]
 };
 
 // Sum of a block's 32 values in a fixed order that vector code reproduces exactly: p[l] = x[l] + x[l + 16] for 16
@@ -141,7 +177,7 @@ inline float block_sum(const float* x) {
 #if LASERLM_X86
 // The avx512 form of one block of quantize_acts (the same d, sum and bytes).
 LASERLM_TARGET_AVX512 inline void quantize_block_avx512(const float* xb, uint8_t hi_bias, float* d, float* s,
-                                                        uint8_t* lo, uint8_t* hi) {
+                                                        uint8_t* lo, uint8_t* hi, int32_t* s16) {
   const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const __m512 p = _mm512_add_ps(x0, x1);
@@ -155,6 +191,10 @@ LASERLM_TARGET_AVX512 inline void quantize_block_avx512(const float* xb, uint8_t
   *s = _mm_cvtss_f32(q4);
   const __m512 vid = _mm512_set1_ps(id);
   const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
+  if (s16 != nullptr) {
+    s16[0] = _mm512_reduce_add_epi32(q0);
+    s16[1] = _mm512_reduce_add_epi32(q1);
+  }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(q0));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 16), _mm512_cvtepi32_epi8(q1));
   const __m128i bias = _mm_set1_epi8(static_cast<char>(hi_bias));
@@ -179,15 +219,19 @@ void quantize_acts(const float* x, int64_t T, int64_t K, int64_t fmt, int isa, A
     a.q16.resize(T * K);
   }
   const uint8_t hi_bias = fmt == Q8_0 ? 0x80 : 0;
+  const bool sums16 = fmt == Q6_K;
+  if (sums16) a.s16.resize(T * nb * 2);
   at::parallel_for(0, T * nb, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
       const float* xb = x + i * QK;  // row t = i / nb, block b = i % nb: x is [T, K] with K = nb * 32
 #if LASERLM_X86
       if (bytes) {
-        quantize_block_avx512(xb, hi_bias, &a.d[i], &a.s[i], &a.lo[i * QK], &a.hi[i * QK]);
+        quantize_block_avx512(xb, hi_bias, &a.d[i], &a.s[i], &a.lo[i * QK], &a.hi[i * QK],
+                              sums16 ? &a.s16[2 * i] : nullptr);
         continue;
       }
 #endif
+      int32_t qs[2] = {0, 0};
       float amax = 0.f;
       for (int j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float dd = amax / 32767.f;
@@ -196,6 +240,7 @@ void quantize_acts(const float* x, int64_t T, int64_t K, int64_t fmt, int isa, A
       a.s[i] = block_sum(xb);
       for (int j = 0; j < QK; ++j) {
         const int q = static_cast<int>(std::nearbyint(xb[j] * id));
+        qs[j / 16] += q;
         if (bytes) {
           a.lo[i * QK + j] = static_cast<uint8_t>(q & 0xFF);
           a.hi[i * QK + j] = static_cast<uint8_t>(static_cast<uint8_t>((q >> 8) & 0xFF) ^ hi_bias);
@@ -204,15 +249,57 @@ void quantize_acts(const float* x, int64_t T, int64_t K, int64_t fmt, int isa, A
           a.q16[i * QK + (j & ~3) + slot[j & 3]] = static_cast<int16_t>(q);
         }
       }
+      if (sums16) {
+        a.s16[2 * i] = qs[0];
+        a.s16[2 * i + 1] = qs[1];
+      }
     }
   });
 }
 
 // ---- scalar variant -----------------------------------------------------------------------------------------------
+// Weight k (0..255) of lane c in the Q6_K region r: q in 0..63 (w = d * sc * (q - 32)).
+inline int q6k_q(const uint8_t* r, int c, int k) {
+  const uint8_t* rec = r + (k / 16) * Q6K_SUB;
+  const int e = (k % 16) / 8, i = (k % 16) / 4, j = k % 4;
+  const uint8_t lo = rec[e * 64 + c * 4 + j];
+  const int low = (k % 8) < 4 ? (lo & 0x0F) : (lo >> 4);
+  return low | ((rec[128 + c * 4 + j] >> (2 * i)) & 3) << 4;
+}
+
+void group_scalar_q6k(const uint8_t* gw, int64_t nb, const Acts& a, int64_t t0, int64_t TN, float* out, int64_t ldo) {
+  static constexpr int slot[4] = {0, 2, 1, 3};
+  for (int64_t t = 0; t < TN; ++t) {
+    const int16_t* xq = a.q16.data() + (t0 + t) * a.K;
+    const float* xd = a.d.data() + (t0 + t) * nb;
+    const int32_t* xs16 = a.s16.data() + (t0 + t) * nb * 2;
+    for (int c = 0; c < GR; ++c) {
+      float acc = 0.f;
+      for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        const uint8_t* r = gw + sb * Q6K_REGION;
+        const float d = fp16_to_fp32(reinterpret_cast<const uint16_t*>(r + Q6K_D)[c]);
+        for (int s = 0; s < 16; ++s) {
+          int32_t isum = 0;
+          for (int kk = 0; kk < 16; ++kk) {
+            const int k = 16 * s + kk;
+            const int64_t kg = sb * 256 + k;
+            isum += q6k_q(r, c, k) * xq[(kg & ~3) + slot[kg & 3]];
+          }
+          isum -= 32 * xs16[sb * 16 + s];
+          const float dsc = d * static_cast<float>(static_cast<int8_t>(r[Q6K_SC + 16 * s + c]));
+          acc = std::fma(static_cast<float>(isum), dsc * xd[sb * 8 + s / 2], acc);
+        }
+      }
+      out[t * ldo + c] = acc;
+    }
+  }
+}
+
 // One group, rows [0, TN) of the activations given: out [TN, 16] (row stride ldo).
 void group_scalar(int64_t fmt, const uint8_t* gw, int64_t nb, const Acts& a, int64_t t0, int64_t TN, float* out,
                   int64_t ldo) {
-  const int64_t rbytes = region_bytes(fmt), qb = quant_bytes(fmt);
+  if (fmt == Q6_K) return group_scalar_q6k(gw, nb, a, t0, TN, out, ldo);
+  const int64_t qb = quant_bytes(fmt);
   for (int64_t t = 0; t < TN; ++t) {
     const int16_t* xq = a.q16.data() + (t0 + t) * a.K;
     const float* xd = a.d.data() + (t0 + t) * nb;
@@ -220,12 +307,12 @@ void group_scalar(int64_t fmt, const uint8_t* gw, int64_t nb, const Acts& a, int
     for (int c = 0; c < GR; ++c) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* r = gw + b * rbytes;
+        const uint8_t* r = block_quants(fmt, gw, b);
         const int16_t* xb = xq + b * QK;
         int32_t isum = 0;
         for (int k = 0; k < QK; ++k) {
           int w;
-          if (fmt == Q4_1) {
+          if (fmt == Q4_1 || fmt == Q4_K) {
             const uint8_t byte = r[(k / 8) * 64 + c * 4 + (k % 4)];
             w = (k % 8) < 4 ? (byte & 0x0F) : (byte >> 4);
           } else {
@@ -233,6 +320,13 @@ void group_scalar(int64_t fmt, const uint8_t* gw, int64_t nb, const Acts& a, int
           }
           static constexpr int slot[4] = {0, 2, 1, 3};
           isum += w * xb[(k & ~3) + slot[k & 3]];
+        }
+        if (fmt == Q4_K) {
+          float dw, mw;
+          q4k_scales(gw, b, c, &dw, &mw);
+          acc = std::fma(static_cast<float>(isum), dw * xd[b], acc);
+          acc = std::fma(-mw, xs[b], acc);
+          continue;
         }
         const uint16_t* dh = reinterpret_cast<const uint16_t*>(r + qb);
         acc = std::fma(static_cast<float>(isum), fp16_to_fp32(dh[c]) * xd[b], acc);
@@ -259,7 +353,8 @@ LASERLM_TARGET_AVX2 inline __m256i madd_add2(__m256i acc, __m256i a, __m256i b) 
 template <int FMT, int TN, int CU>
 LASERLM_TARGET_AVX2 void tile_avx2(const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0,
                                    float* out, int64_t ldo) {
-  constexpr int64_t RB = FMT == Q4_1 ? 320 : 544, QB = FMT == Q4_1 ? 256 : 512;
+  constexpr bool AFF = FMT == Q4_1 || FMT == Q4_K;  // 4-bit affine: d_w q + m_w
+  constexpr int64_t QB = FMT == Q4_1 ? 256 : 512;
   __m256 facc[TN][CU];
   for (int t = 0; t < TN; ++t)
     for (int u = 0; u < CU; ++u) facc[t][u] = _mm256_setzero_ps();
@@ -270,8 +365,8 @@ LASERLM_TARGET_AVX2 void tile_avx2(const uint8_t* gw, int64_t gbytes, int64_t nb
     for (int t = 0; t < TN; ++t)
       for (int u = 0; u < CU; ++u) acc[t][u] = _mm256_setzero_si256();
     const uint8_t* reg[CU];
-    for (int u = 0; u < CU; ++u) reg[u] = gw + (u / 2) * gbytes + b * RB + (u % 2) * 32;
-    if (FMT == Q4_1) {
+    for (int u = 0; u < CU; ++u) reg[u] = block_quants(FMT, gw + (u / 2) * gbytes, b) + (u % 2) * 32;
+    if (AFF) {
       for (int h = 0; h < 4; ++h) {
         for (int u = 0; u < CU; ++u) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[u] + h * 64));
@@ -304,15 +399,85 @@ LASERLM_TARGET_AVX2 void tile_avx2(const uint8_t* gw, int64_t gbytes, int64_t nb
     }
     for (int u = 0; u < CU; ++u) {
       const int half = u % 2;
-      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[u] - half * 32 + QB + half * 16)));
-      __m256 mw = _mm256_setzero_ps();
-      if (FMT == Q4_1)
-        mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[u] - half * 32 + QB + 32 + half * 16)));
+      __m256 dw, mw = _mm256_setzero_ps();
+      if (FMT == Q4_K) {  // d * sc and dmin * m, subtracted below
+        const uint8_t* r = gw + (u / 2) * gbytes + (b / 8) * Q4K_REGION;
+        const int64_t o = 16 * (b % 8) + half * 8;
+        const auto u8f = [](const uint8_t* p) {
+          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+        };
+        dw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + Q4K_D + half * 16))),
+                           u8f(r + Q4K_SC + o));
+        mw = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + Q4K_DMIN + half * 16))),
+                           u8f(r + Q4K_M + o));
+      } else {
+        dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[u] - half * 32 + QB + half * 16)));
+        if (FMT == Q4_1)
+          mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[u] - half * 32 + QB + 32 + half * 16)));
+      }
       for (int t = 0; t < TN; ++t) {
         const int64_t i = (t0 + t) * nb + b;
         const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(a.d[i]));
         facc[t][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t][u]), sc, facc[t][u]);
         if (FMT == Q4_1) facc[t][u] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[i]), facc[t][u]);
+        if (FMT == Q4_K) facc[t][u] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(a.s[i]), facc[t][u]);
+      }
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    for (int u = 0; u < CU; ++u) _mm256_storeu_ps(out + t * ldo + u * 8, facc[t][u]);
+}
+
+// Q6_K (see the layout at the top): per sub-block s, the 16 weights of each lane unpacked to bytes 0..63 (low 4 bits
+// from the two Q4_1-form chunks, bits 4-5 from the high-bit chunk), then as Q4_1's pairs of int16.
+template <int TN, int CU>
+LASERLM_TARGET_AVX2 void tile_avx2_q6k(const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0,
+                                       float* out, int64_t ldo) {
+  __m256 facc[TN][CU];
+  for (int t = 0; t < TN; ++t)
+    for (int u = 0; u < CU; ++u) facc[t][u] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), mlo = _mm256_set1_epi32(0x00FF00FF);
+  const int16_t* xq = a.q16.data() + t0 * a.K;
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* reg[CU];
+    __m256 dw[CU];
+    for (int u = 0; u < CU; ++u) {
+      reg[u] = gw + (u / 2) * gbytes + sb * Q6K_REGION;
+      dw[u] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[u] + Q6K_D + (u % 2) * 16)));
+    }
+    for (int s = 0; s < 16; ++s) {
+      __m256i acc[TN][CU];
+      for (int t = 0; t < TN; ++t)
+        for (int u = 0; u < CU; ++u) acc[t][u] = _mm256_setzero_si256();
+      for (int e = 0; e < 2; ++e) {
+        for (int u = 0; u < CU; ++u) {
+          const uint8_t* rec = reg[u] + s * Q6K_SUB + (u % 2) * 32;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + e * 64));
+          const __m256i v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 128));
+          const __m256i hl = _mm256_and_si256(e == 0 ? _mm256_slli_epi16(v2, 4) : v2, m30);
+          const __m256i hh = _mm256_and_si256(e == 0 ? _mm256_slli_epi16(v2, 2) : _mm256_srli_epi16(v2, 2), m30);
+          const __m256i wl = _mm256_or_si256(_mm256_and_si256(v, m4), hl);
+          const __m256i wh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), hh);
+          const __m256i w02 = _mm256_and_si256(wl, mlo), w13 = _mm256_srli_epi16(wl, 8);
+          const __m256i w46 = _mm256_and_si256(wh, mlo), w57 = _mm256_srli_epi16(wh, 8);
+          for (int t = 0; t < TN; ++t) {
+            const int32_t* p = reinterpret_cast<const int32_t*>(xq + t * a.K + sb * 256 + s * 16 + e * 8);
+            acc[t][u] = madd_add2(acc[t][u], w02, _mm256_set1_epi32(p[0]));
+            acc[t][u] = madd_add2(acc[t][u], w13, _mm256_set1_epi32(p[1]));
+            acc[t][u] = madd_add2(acc[t][u], w46, _mm256_set1_epi32(p[2]));
+            acc[t][u] = madd_add2(acc[t][u], w57, _mm256_set1_epi32(p[3]));
+          }
+        }
+      }
+      for (int u = 0; u < CU; ++u) {
+        const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(reg[u] + Q6K_SC + 16 * s + (u % 2) * 8));
+        const __m256 dsc = _mm256_mul_ps(dw[u], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+        for (int t = 0; t < TN; ++t) {
+          const int64_t row = t0 + t;
+          const __m256i isum = _mm256_sub_epi32(acc[t][u], _mm256_set1_epi32(32 * a.s16[row * nb * 2 + sb * 16 + s]));
+          const __m256 sc = _mm256_mul_ps(dsc, _mm256_set1_ps(a.d[row * nb + sb * 8 + s / 2]));
+          facc[t][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), sc, facc[t][u]);
+        }
       }
     }
   }
@@ -324,7 +489,8 @@ LASERLM_TARGET_AVX2 void tile_avx2(const uint8_t* gw, int64_t gbytes, int64_t nb
 template <int FMT, int TN, int CG>
 LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0,
                                        float* out, int64_t ldo) {
-  constexpr int64_t RB = FMT == Q4_1 ? 320 : 544, QB = FMT == Q4_1 ? 256 : 512;
+  constexpr bool AFF = FMT == Q4_1 || FMT == Q4_K;  // 4-bit affine: d_w q + m_w
+  constexpr int64_t QB = FMT == Q4_1 ? 256 : 512;
   __m512 facc[TN][CG];
   for (int t = 0; t < TN; ++t)
     for (int c = 0; c < CG; ++c) facc[t][c] = _mm512_setzero_ps();
@@ -344,8 +510,8 @@ LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_
       for (int c = 0; c < CG; ++c) al[t][c] = ah[t][c] = al2[t][c] = ah2[t][c] = _mm512_setzero_si512();
     for (int c = 0; c < CG; ++c) ws[c] = _mm512_setzero_si512();
     const uint8_t* reg[CG];
-    for (int c = 0; c < CG; ++c) reg[c] = gw + c * gbytes + b * RB;
-    if (FMT == Q4_1) {
+    for (int c = 0; c < CG; ++c) reg[c] = block_quants(FMT, gw + c * gbytes, b);
+    if (AFF) {
       for (int h = 0; h < 4; ++h) {
         __m512i wl[CG], wh[CG];  // weights 8h .. 8h + 3 and 8h + 4 .. 8h + 7 of the block, one byte each
         for (int c = 0; c < CG; ++c) {
@@ -397,9 +563,20 @@ LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_
       }
     }
     for (int c = 0; c < CG; ++c) {
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + QB)));
-      __m512 mw = _mm512_setzero_ps();
-      if (FMT == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + QB + 32)));
+      __m512 dw, mw = _mm512_setzero_ps();
+      if (FMT == Q4_K) {  // d * sc and dmin * m, subtracted below
+        const uint8_t* r = gw + c * gbytes + (b / 8) * Q4K_REGION;
+        const auto u8f = [](const uint8_t* p) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+        };
+        dw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + Q4K_D))),
+                           u8f(r + Q4K_SC + 16 * (b % 8)));
+        mw = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + Q4K_DMIN))),
+                           u8f(r + Q4K_M + 16 * (b % 8)));
+      } else {
+        dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + QB)));
+        if (FMT == Q4_1) mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + QB + 32)));
+      }
       for (int t = 0; t < TN; ++t) {
         const int64_t i = (t0 + t) * nb + b;
         __m512i hi = SPLIT ? _mm512_add_epi32(ah[t][c], ah2[t][c]) : ah[t][c];
@@ -409,6 +586,82 @@ LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_
         const __m512 sc = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[i]));
         facc[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, facc[t][c]);
         if (FMT == Q4_1) facc[t][c] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[i]), facc[t][c]);
+        if (FMT == Q4_K) facc[t][c] = _mm512_fnmadd_ps(mw, _mm512_set1_ps(a.s[i]), facc[t][c]);
+      }
+    }
+  }
+  for (int t = 0; t < TN; ++t)
+    for (int c = 0; c < CG; ++c) _mm512_storeu_ps(out + t * ldo + c * 16, facc[t][c]);
+}
+#endif  // LASERLM_X86 (avx512 Q4_1 / Q8_0)
+
+#if LASERLM_X86
+// Q6_K: per sub-block s of 16 weights, Q4_1's products (lo (u8) x w and w (u8) x hi) on the weights unpacked to bytes
+// 0..63, then the exact sum(q_w q_x) - 32 sum(q_x) per lane.
+template <int TN, int CG>
+LASERLM_TARGET_AVX512 void tile_avx512_q6k(const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0,
+                                           float* out, int64_t ldo) {
+  __m512 facc[TN][CG];
+  for (int t = 0; t < TN; ++t)
+    for (int c = 0; c < CG; ++c) facc[t][c] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+  const uint8_t* xl = a.lo.data() + t0 * a.K;
+  const uint8_t* xh = a.hi.data() + t0 * a.K;
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* reg[CG];
+    __m512 dw[CG];
+    for (int c = 0; c < CG; ++c) {
+      reg[c] = gw + c * gbytes + sb * Q6K_REGION;
+      dw[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reg[c] + Q6K_D)));
+    }
+    for (int s = 0; s < 16; ++s) {
+      // lo starts at -32 sum(q_x): the sub-block's sum(q_w q_x) - 32 sum(q_x) = 256 hi + lo
+      __m512i al[TN][CG], ah[TN][CG];
+      for (int t = 0; t < TN; ++t) {
+        const __m512i s0 = _mm512_set1_epi32(-32 * a.s16[(t0 + t) * nb * 2 + sb * 16 + s]);
+        for (int c = 0; c < CG; ++c) {
+          al[t][c] = s0;
+          ah[t][c] = _mm512_setzero_si512();
+        }
+      }
+#pragma GCC unroll 2
+      for (int e = 0; e < 2; ++e) {
+        __m512i wl[CG], wh[CG];  // weights 16 s + 8 e + 0..3 and + 4..7 of each lane, one byte each (0..63)
+        for (int c = 0; c < CG; ++c) {
+          const uint8_t* rec = reg[c] + s * Q6K_SUB;
+          const __m512i v = _mm512_loadu_si512(rec + e * 64);
+          const __m512i v2 = _mm512_loadu_si512(rec + 128);
+          const __m512i hl = _mm512_and_si512(e == 0 ? _mm512_slli_epi16(v2, 4) : v2, m30);
+          const __m512i hh = _mm512_and_si512(e == 0 ? _mm512_slli_epi16(v2, 2) : _mm512_srli_epi16(v2, 2), m30);
+          wl[c] = _mm512_or_si512(_mm512_and_si512(v, m4), hl);
+          wh[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), m4), hh);
+        }
+        for (int t = 0; t < TN; ++t) {
+          const int64_t o = t * a.K + sb * 256 + s * 16 + e * 8;
+          int32_t l0, l1, h0, h1;
+          std::memcpy(&l0, xl + o, 4);
+          std::memcpy(&l1, xl + o + 4, 4);
+          std::memcpy(&h0, xh + o, 4);
+          std::memcpy(&h1, xh + o + 4, 4);
+          const __m512i bl0 = _mm512_set1_epi32(l0), bl1 = _mm512_set1_epi32(l1);
+          const __m512i bh0 = _mm512_set1_epi32(h0), bh1 = _mm512_set1_epi32(h1);
+          for (int c = 0; c < CG; ++c) {
+            al[t][c] = _mm512_dpbusd_epi32(al[t][c], bl0, wl[c]);
+            ah[t][c] = _mm512_dpbusd_epi32(ah[t][c], wl[c], bh0);
+            al[t][c] = _mm512_dpbusd_epi32(al[t][c], bl1, wh[c]);
+            ah[t][c] = _mm512_dpbusd_epi32(ah[t][c], wh[c], bh1);
+          }
+        }
+      }
+      for (int c = 0; c < CG; ++c) {
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(reg[c] + Q6K_SC + 16 * s));
+        const __m512 dsc = _mm512_mul_ps(dw[c], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)));
+        for (int t = 0; t < TN; ++t) {
+          const int64_t row = t0 + t;
+          const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(ah[t][c], 8), al[t][c]);
+          const __m512 sc = _mm512_mul_ps(dsc, _mm512_set1_ps(a.d[row * nb + sb * 8 + s / 2]));
+          facc[t][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), sc, facc[t][c]);
+        }
       }
     }
   }
@@ -434,8 +687,13 @@ template <int FMT, int TN, int CG>
 void run_tile(int isa, const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0, float* out,
               int64_t ldo) {
 #if LASERLM_X86
-  if (isa == AVX512) return tile_avx512<FMT, TN, CG>(gw, gbytes, nb, a, t0, out, ldo);
-  if (isa == AVX2) return tile_avx2<FMT, TN, 2 * CG>(gw, gbytes, nb, a, t0, out, ldo);
+  if constexpr (FMT == Q6_K) {
+    if (isa == AVX512) return tile_avx512_q6k<TN, CG>(gw, gbytes, nb, a, t0, out, ldo);
+    if (isa == AVX2) return tile_avx2_q6k<TN, 2 * CG>(gw, gbytes, nb, a, t0, out, ldo);
+  } else {
+    if (isa == AVX512) return tile_avx512<FMT, TN, CG>(gw, gbytes, nb, a, t0, out, ldo);
+    if (isa == AVX2) return tile_avx2<FMT, TN, 2 * CG>(gw, gbytes, nb, a, t0, out, ldo);
+  }
 #endif
   for (int c = 0; c < CG; ++c) group_scalar(FMT, gw + c * gbytes, nb, a, t0, TN, out + c * GR, ldo);
 }
@@ -496,7 +754,7 @@ struct RowPlan {
   int single, pass;
 };
 RowPlan row_plan(int isa, int64_t fmt) {
-  if (isa == AVX512) return fmt == Q4_1 ? RowPlan{6, 2} : RowPlan{8, 8};
+  if (isa == AVX512) return fmt == Q8_0 ? RowPlan{8, 8} : RowPlan{6, 2};
   if (isa == AVX2) return RowPlan{4, 2};
   return RowPlan{4, 4};
 }
@@ -529,6 +787,8 @@ void matmul_blocks(const float* x, int64_t T, int64_t K, const uint8_t* w, int64
     for (int64_t gs = g0; gs < g1; gs += GT) {
       const int64_t ge = std::min(g1, gs + GT);
       if (fmt == Q4_1) run_span<Q4_1>(isa, plan, T, w, gbytes, nb, N, a, gs, ge, y, ldy);
+      else if (fmt == Q4_K) run_span<Q4_K>(isa, plan, T, w, gbytes, nb, N, a, gs, ge, y, ldy);
+      else if (fmt == Q6_K) run_span<Q6_K>(isa, plan, T, w, gbytes, nb, N, a, gs, ge, y, ldy);
       else run_span<Q8_0>(isa, plan, T, w, gbytes, nb, N, a, gs, ge, y, ldy);
     }
   });

@@ -11,7 +11,8 @@ namespace {
 void check_weight(const torch::Tensor& w, int64_t fmt, int64_t K, int64_t N) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
               "weight must be a contiguous uint8 [groups, group_bytes] tensor in the kernel layout");
-  TORCH_CHECK(K % QK == 0 && K > 0, "in_features must be a positive multiple of 32, got ", K);
+  const int64_t bw = block_weights(fmt);
+  TORCH_CHECK(K % bw == 0 && K > 0, "in_features must be a positive multiple of ", bw, ", got ", K);
   TORCH_CHECK(N > 0 && w.size(0) == n_groups(N), "weight has ", w.size(0), " groups of 16 rows, expected ", n_groups(N),
               " for ", N, " rows");
   TORCH_CHECK(w.size(1) == (K / QK) * region_bytes(fmt), "weight group has ", w.size(1), " bytes, expected ",
@@ -20,7 +21,7 @@ void check_weight(const torch::Tensor& w, int64_t fmt, int64_t K, int64_t N) {
 
 }  // namespace
 
-// y [T, N] = x [T, K] @ dequant(w).T   (x float32; w [ceil(N / 16), K / 32 * 16 * block_bytes] in the kernel layout)
+// y [T, N] = x [T, K] @ dequant(w).T   (x float32; w [ceil(N / 16), K / 32 * region_bytes] in the kernel layout)
 torch::Tensor qmatmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t N) {
   check_weight(w, fmt, K, N);
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "x must be float32 [T, ", K, "]");
@@ -35,7 +36,7 @@ torch::Tensor qmatmul(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, 
 // value d * q + m rounded to nearest even: the operand of a bfloat16 GEMM, half the bytes written)
 template <typename Out>
 void dequantize_rows(const uint8_t* wp, int64_t N, int64_t fmt, int64_t K, const int64_t* ip, int64_t R, Out* op) {
-  const int64_t nb = K / QK, rb = region_bytes(fmt), gbytes = nb * rb, qb = quant_bytes(fmt);
+  const int64_t nb = K / QK, gbytes = nb * region_bytes(fmt), qb = quant_bytes(fmt);
   at::parallel_for(0, R, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t n = ip ? ip[r] : r;
@@ -43,8 +44,31 @@ void dequantize_rows(const uint8_t* wp, int64_t N, int64_t fmt, int64_t K, const
       const uint8_t* gw = wp + (n / GR) * gbytes;
       const int c = static_cast<int>(n % GR);
       Out* o = op + r * K;
+      if (fmt == Q6_K) {  // (d * sc) * (q - 32), in gguf's order of float operations
+        for (int64_t sb = 0; sb < nb / 8; ++sb, o += 256) {
+          const uint8_t* reg = gw + sb * Q6K_REGION;
+          const float d = fp16_to_fp32(reinterpret_cast<const uint16_t*>(reg + Q6K_D)[c]);
+          for (int k = 0; k < 256; ++k) {
+            const float dsc = d * static_cast<float>(static_cast<int8_t>(reg[Q6K_SC + 16 * (k / 16) + c]));
+            o[k] = static_cast<Out>(dsc * static_cast<float>(q6k_q(reg, c, k) - 32));
+          }
+        }
+        continue;
+      }
       for (int64_t b = 0; b < nb; ++b, o += QK) {
-        const uint8_t* reg = gw + b * rb;
+        const uint8_t* reg = block_quants(fmt, gw, b);
+        if (fmt == Q4_K) {  // (d * sc) * q - dmin * m, in gguf's order of float operations
+          float dw, mw;
+          q4k_scales(gw, b, c, &dw, &mw);
+          for (int h = 0; h < 4; ++h)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t byte = reg[h * 64 + c * 4 + j];
+              const float lo = dw * static_cast<float>(byte & 0x0F), hi = dw * static_cast<float>(byte >> 4);
+              o[8 * h + j] = static_cast<Out>(lo - mw);
+              o[8 * h + 4 + j] = static_cast<Out>(hi - mw);
+            }
+          continue;
+        }
         const uint16_t* dh = reinterpret_cast<const uint16_t*>(reg + qb);
         const float d = fp16_to_fp32(dh[c]);
         if (fmt == Q8_0) {
@@ -438,15 +462,23 @@ void glu(const float* g, const float* u, int64_t n, int64_t act, float* out) {
 // Llama family (Llama, Mistral, Qwen2, Qwen3) and of Gemma3 (sandwich norms).
 //   norms: {attn_in, attn_out (Gemma3) or empty, mlp_in, mlp_out (Gemma3) or empty, q_norm or empty, k_norm or empty}
 //          (already the multiplicative weight: Gemma's 1 + w)
-//   mats / fmts: {qkv, o, gate_up, down} blocks; qkv_bias [(H + 2 Hkv) hd] or empty
+//   mats / fmts / rows: the blocks, formats and output rows of {qkv, o, gate_up, down}, each one matrix or several
+//          stacked along its output rows (a fused projection whose parts have different formats, as a Q4_K_M file's
+//          Q4_K q/k beside its Q6_K v); rows may be empty when there are exactly four matrices
+//   qkv_bias [(H + 2 Hkv) hd] or empty
 //   window: sliding-window size (0 = global attention); act: 0 = SiLU, 1 = GELU (tanh approximation)
 namespace {
+
+struct MatPart {
+  torch::Tensor w;
+  int64_t fmt, rows;
+};
+using Mat = std::vector<MatPart>;  // one matrix: its parts in the order of their output rows
 
 struct LayerSpec {
   std::vector<torch::Tensor> norms;
   double eps;
-  std::vector<torch::Tensor> mats;
-  std::vector<int64_t> fmts;
+  std::vector<Mat> mats;  // qkv, o, gate_up, down
   torch::Tensor qkv_bias;
   int64_t n_heads, n_kv, hd;
   double scaling;
@@ -454,15 +486,41 @@ struct LayerSpec {
 };
 
 LayerSpec make_spec(std::vector<torch::Tensor> norms, double eps, std::vector<torch::Tensor> mats,
-                    std::vector<int64_t> fmts, torch::Tensor qkv_bias, int64_t n_heads, int64_t n_kv, int64_t hd,
-                    double scaling, int64_t window, int64_t act, int64_t inter) {
-  TORCH_CHECK(norms.size() == 6 && mats.size() == 4 && fmts.size() == 4, "6 norms, 4 matrices and 4 formats expected");
+                    std::vector<int64_t> fmts, std::vector<int64_t> rows, torch::Tensor qkv_bias, int64_t n_heads,
+                    int64_t n_kv, int64_t hd, double scaling, int64_t window, int64_t act, int64_t inter) {
+  TORCH_CHECK(norms.size() == 6, "6 norms expected");
+  TORCH_CHECK(mats.size() >= 4 && fmts.size() == mats.size() && (rows.empty() ? mats.size() == 4 : rows.size() == mats.size()),
+              "one format and one row count per matrix part expected (4 matrices without row counts)");
   TORCH_CHECK(n_heads > 0 && n_kv > 0 && n_heads % n_kv == 0 && hd > 0 && hd % 2 == 0, "bad head configuration");
   const int64_t d = mats[0].size(1) / region_bytes(fmts[0]) * QK;
   const int64_t outs[4] = {(n_heads + 2 * n_kv) * hd, d, 2 * inter, d};
-  for (int i = 0; i < 4; ++i) check_weight(mats[i], fmts[i], i == 1 ? n_heads * hd : (i == 3 ? inter : d), outs[i]);
+  const int64_t ins[4] = {d, n_heads * hd, d, inter};
+  std::vector<Mat> ms(4);
+  size_t p = 0;
+  for (int i = 0; i < 4; ++i) {
+    int64_t got = 0;
+    while (got < outs[i]) {
+      TORCH_CHECK(p < mats.size(), "the matrix parts end before matrix ", i, " has its ", outs[i], " rows");
+      const int64_t r = rows.empty() ? outs[i] : rows[p];
+      TORCH_CHECK(r > 0 && got + r <= outs[i], "matrix ", i, ": parts of ", got, " + ", r, " rows exceed ", outs[i]);
+      check_weight(mats[p], fmts[p], ins[i], r);
+      ms[i].push_back(MatPart{mats[p], fmts[p], r});
+      got += r;
+      ++p;
+    }
+  }
+  TORCH_CHECK(p == mats.size(), mats.size() - p, " matrix parts left over");
   for (auto& n : norms) TORCH_CHECK(n.numel() == 0 || (n.dtype() == torch::kFloat32 && n.is_contiguous()), "norm weights must be contiguous float32");
-  return LayerSpec{norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter};
+  return LayerSpec{norms, eps, ms, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter};
+}
+
+// y [R, ldy] (columns [0, rows of m)) = x [R, K] @ m.T, part by part
+void matmul_mat(const Mat& m, const float* x, int64_t R, int64_t K, float* y, int64_t ldy) {
+  int64_t off = 0;
+  for (const MatPart& p : m) {
+    matmul_blocks(x, R, K, p.w.data_ptr<uint8_t>(), p.rows, p.fmt, y + off, ldy);
+    off += p.rows;
+  }
 }
 
 // Where a layer's K/V go and come from: the engine's contiguous cache [B, Hkv, S, hd] (one start for all rows), or
@@ -502,12 +560,11 @@ void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d
   const float feps = static_cast<float>(L.eps);
   auto nptr = [&](int i) -> const float* { return L.norms[i].numel() ? L.norms[i].data_ptr<float>() : nullptr; };
   const auto& mats = L.mats;
-  const auto& fmts = L.fmts;
   std::vector<float> xn(R * std::max(d, inter)), qkv(R * nqkv), att(R * qn), gu(R * 2 * inter), tmp(R * d);
 
   // attention block
   rmsnorm_rows(h, R, d, nptr(0), feps, xn.data());
-  matmul_blocks(xn.data(), R, d, mats[0].data_ptr<uint8_t>(), nqkv, fmts[0], qkv.data(), nqkv);
+  matmul_mat(mats[0], xn.data(), R, d, qkv.data(), nqkv);
   if (L.qkv_bias.numel()) {
     const float* bb = L.qkv_bias.data_ptr<float>();
     for (int64_t r = 0; r < R; ++r) for (int64_t j = 0; j < nqkv; ++j) qkv[r * nqkv + j] += bb[j];
@@ -617,16 +674,16 @@ void layer_forward(const LayerSpec& L, float* h, int64_t B, int64_t T, int64_t d
       }
     });
   }
-  matmul_blocks(att.data(), R, qn, mats[1].data_ptr<uint8_t>(), d, fmts[1], tmp.data(), d);
+  matmul_mat(mats[1], att.data(), R, qn, tmp.data(), d);
   if (nptr(1) != nullptr) rmsnorm_rows(tmp.data(), R, d, nptr(1), feps, tmp.data());
   for (int64_t i = 0; i < R * d; ++i) h[i] += tmp[i];
 
   // MLP block
   rmsnorm_rows(h, R, d, nptr(2), feps, xn.data());
-  matmul_blocks(xn.data(), R, d, mats[2].data_ptr<uint8_t>(), 2 * inter, fmts[2], gu.data(), 2 * inter);
+  matmul_mat(mats[2], xn.data(), R, d, gu.data(), 2 * inter);
   for (int64_t r = 0; r < R; ++r)
     glu(gu.data() + r * 2 * inter, gu.data() + r * 2 * inter + inter, inter, L.act, xn.data() + r * inter);
-  matmul_blocks(xn.data(), R, inter, mats[3].data_ptr<uint8_t>(), d, fmts[3], tmp.data(), d);
+  matmul_mat(mats[3], xn.data(), R, inter, tmp.data(), d);
   if (nptr(3) != nullptr) rmsnorm_rows(tmp.data(), R, d, nptr(3), feps, tmp.data());
   for (int64_t i = 0; i < R * d; ++i) h[i] += tmp[i];
 }
@@ -641,11 +698,12 @@ torch::Tensor checked_hidden(const torch::Tensor& hidden) {
 // hidden [B, T, d] -> [B, T, d]: one decoder layer (see LayerSpec for the arguments); cos, sin [T, hd];
 // k_cache, v_cache [B, Hkv, S, hd] float32, written at positions [start, start + T).
 torch::Tensor decode_layer(torch::Tensor hidden, std::vector<torch::Tensor> norms, double eps,
-                           std::vector<torch::Tensor> mats, std::vector<int64_t> fmts, torch::Tensor qkv_bias,
+                           std::vector<torch::Tensor> mats, std::vector<int64_t> fmts, std::vector<int64_t> rows,
+                           torch::Tensor qkv_bias,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
                            int64_t start, int64_t n_heads, int64_t n_kv, int64_t hd, double scaling, int64_t window,
                            int64_t act, int64_t inter) {
-  const LayerSpec L = make_spec(norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter);
+  const LayerSpec L = make_spec(norms, eps, mats, fmts, rows, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter);
   auto out = checked_hidden(hidden);
   layer_forward(L, out.data_ptr<float>(), out.size(0), out.size(1), out.size(2), cos, sin,
                 contiguous_kv(k_cache, v_cache, out.size(0), n_kv, hd, start, out.size(1)));
@@ -657,9 +715,10 @@ torch::Tensor decode_layer(torch::Tensor hidden, std::vector<torch::Tensor> norm
 class LayerStack {
  public:
   int64_t add(std::vector<torch::Tensor> norms, double eps, std::vector<torch::Tensor> mats, std::vector<int64_t> fmts,
-              torch::Tensor qkv_bias, int64_t n_heads, int64_t n_kv, int64_t hd, double scaling, int64_t window,
-              int64_t act, int64_t inter) {
-    layers_.push_back(make_spec(norms, eps, mats, fmts, qkv_bias, n_heads, n_kv, hd, scaling, window, act, inter));
+              std::vector<int64_t> rows, torch::Tensor qkv_bias, int64_t n_heads, int64_t n_kv, int64_t hd,
+              double scaling, int64_t window, int64_t act, int64_t inter) {
+    layers_.push_back(make_spec(norms, eps, mats, fmts, rows, qkv_bias, n_heads, n_kv, hd, scaling, window, act,
+                                inter));
     return static_cast<int64_t>(layers_.size()) - 1;
   }
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
