@@ -205,10 +205,16 @@ def _data_key(source) -> str:
 
 
 def _model_key(engine) -> dict:
-    """Model, weight file, weight format and dtype: what a cached default is tied to."""
+    """Model, weight file, weight format and dtype: what a cached default is tied to (with ``LASERLM_KQUANTS=native``,
+    that too: a GGUF's Q4_K / Q6_K matrices then hold other values than the default conversions)."""
+    from .models.quant import kquant_mode  # noqa: PLC0415
+
     loaded = engine.loaded
-    return {"model": loaded.name, "source": Path(loaded.path).name, "weights": engine.weights,
-            "dtype": str(engine.dtype).replace("torch.", ""), "identity": loaded.identity}
+    key = {"model": loaded.name, "source": Path(loaded.path).name, "weights": engine.weights,
+           "dtype": str(engine.dtype).replace("torch.", ""), "identity": loaded.identity}
+    if engine.weights == "native" and kquant_mode() == "native":
+        key["kquants"] = "native"
+    return key
 
 
 def _entry_dir(engine, kind: str, key: dict) -> Path:

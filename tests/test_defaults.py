@@ -279,6 +279,21 @@ def test_the_default_recipe_is_chat_text_and_part_of_the_cache_key(smol):
             != defaults.adaptive_artifact_path(smol.engine, text_cfg.to_dict()))
 
 
+def test_kept_k_quants_are_part_of_a_native_models_cache_key(smol, monkeypatch):
+    """A default certified on a GGUF's converted Q4_K / Q6_K matrices is not reused when ``LASERLM_KQUANTS=native``
+    keeps them (other values); the key of the default setting, and of float weights, is unchanged."""
+    from types import SimpleNamespace
+
+    native = SimpleNamespace(loaded=smol.engine.loaded, weights="native", dtype=smol.engine.dtype)
+    fp32 = SimpleNamespace(loaded=smol.engine.loaded, weights="fp32", dtype=smol.engine.dtype)
+    monkeypatch.delenv("LASERLM_KQUANTS", raising=False)
+    before, before_fp32 = defaults._model_key(native), defaults._model_key(fp32)
+    monkeypatch.setenv("LASERLM_KQUANTS", "native")
+    after = defaults._model_key(native)
+    assert after != before and {k: v for k, v in after.items() if k != "kquants"} == before
+    assert defaults._model_key(fp32) == before_fp32
+
+
 # -- the real default (6 minutes on 2 cores) --------------------------------------------------------------
 @pytest.mark.slow
 def test_bare_adaptive_meets_its_target_on_the_shipped_prompts(tmp_path, monkeypatch):

@@ -168,8 +168,8 @@ def test_k_quants_kept_natively_on_request(cut, cache, monkeypatch):
     from laserlm.models.gguf_file import GGUFTensors
     from laserlm.models.loader import load_model, packed_cache_path
 
-    if not any(t.tensor_type in (T.Q4_K, T.Q6_K) for t in GGUFTensors(cut).tensors):
-        pytest.skip("no Q4_K or Q6_K tensor in this file")
+    if not {T.Q4_K, T.Q6_K} <= {t.tensor_type for t in GGUFTensors(cut).tensors}:
+        pytest.skip("no Q4_K and Q6_K tensors in this file")
     ref = load_model(str(cut), weights="fp32")
     default = load_model(str(cut), weights="native")
     monkeypatch.setenv("LASERLM_KQUANTS", "native")
@@ -180,7 +180,12 @@ def test_k_quants_kept_natively_on_request(cut, cache, monkeypatch):
     with torch.no_grad():
         r, d, k = ref.model(ids).logits, default.model(ids).logits, kept.model(ids).logits
         assert (k - r).norm() < (d - r).norm()
-        assert torch.equal(load_model(str(cut), weights="native").model(ids).logits, k)
+        again = load_model(str(cut), weights="native")
+        assert again.pack_report.cached and torch.equal(again.model(ids).logits, k)
+        monkeypatch.delenv("LASERLM_KQUANTS")
+        back = load_model(str(cut), weights="native")  # the default's own cache, untouched by the kept one
+        assert back.pack_report.cached and back.pack_report.formats == default.pack_report.formats
+        assert torch.equal(back.model(ids).logits, d)
 
 
 def test_too_large_for_memory_is_refused_before_allocation(cut, cache, monkeypatch):

@@ -227,6 +227,28 @@ def test_q4_k_blocks_are_kept_and_match_gguf(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt_name", ["Q6_K", "Q4_K"])
+def test_superblock_layouts_round_trip_in_chunks(fmt_name):
+    """A matrix larger than one conversion chunk (2,100 rows x 2,048: 132 groups, chunks of 128) goes to the kernel
+    layout and back unchanged, and its ONNX-export conversions match the dequantized values."""
+    n, k = 2100, 2048
+    raw = torch.from_numpy((_random_q6_k if fmt_name == "Q6_K" else _random_q4_k)(n, k, seed=5))
+    fmt = getattr(quant, fmt_name)
+    qweight = quant.kernel_layout(raw, fmt)
+    assert qweight.shape == (132, quant.group_bytes(fmt, k))
+    assert torch.equal(quant.row_layout(qweight, fmt, n), raw)
+    ref = quant.dequantize_reference(raw, fmt, k)
+    if fmt == quant.Q6_K:
+        conv, f2 = quant.q6_k_as_q8_0(raw), quant.Q8_0
+        # half a step, plus 127 times the fp16 rounding of d (relative 2**-11, or 2**-25 absolute among subnormals)
+        bound = ref.reshape(n, k // 32, 32).abs().amax(-1, keepdim=True) / 127 * (0.5 + 127 * 2 ** -11) + 127 * 2 ** -25
+    else:
+        conv, f2 = quant.q4_k_as_q4_1(raw), quant.Q4_1
+        bound = 2 ** -10 * (ref.abs() + ref.abs().amax(-1, keepdim=True)).reshape(n, k // 32, 32)
+    err = (quant.dequantize_reference(conv, f2, k) - ref).abs().reshape(n, k // 32, 32)
+    assert bool((err <= bound + 1e-7).all())
+
+
+@pytest.mark.parametrize("fmt_name", ["Q6_K", "Q4_K"])
 def test_superblock_kernel_variants_agree_and_rows_are_independent(fmt_name, monkeypatch):
     """The avx512, avx2 and scalar Q6_K / Q4_K kernels give bit-identical results, and a row's result never depends
     on how many rows share the call (1 to 20: one pass, and passes over spans in L1)."""
@@ -437,6 +459,26 @@ def test_layer_kernel_takes_a_projection_in_parts(smol_native):
         run(parts, pfmts, [qr, kvr, kvr + 16] + prows[3:])
     with pytest.raises(RuntimeError, match="one format and one row count per matrix part"):
         run(parts, pfmts, [])
+
+
+def test_fused_parts_of_one_format_are_stacked_and_counted_by_format():
+    """Converted q / k / v parts in Q4_1, Q4_1, Q8_0 (a Q4_K_M file's layer) become two matrices, q+k and v, whose
+    output equals each part's own product; the load report counts them by format, not as float."""
+    from laserlm.models.packing import PackReport, _Concat, _fuse
+
+    g = torch.Generator().manual_seed(0)
+    w = [torch.randn(r, 64, generator=g) for r in (48, 16, 16)]
+    parts = [("blocks", quant.quantize_q4_1(w[0]), quant.Q4_1), ("blocks", quant.quantize_q4_1(w[1]), quant.Q4_1),
+             ("blocks", quant.quantize_q8_0(w[2]), quant.Q8_0)]
+    fused = _fuse(parts, 64, None)
+    assert isinstance(fused, _Concat) and [(p.fmt, p.out_features) for p in fused.parts] == [(quant.Q4_1, 64),
+                                                                                            (quant.Q8_0, 16)]
+    x = torch.randn(3, 64, generator=g)
+    alone = torch.cat([quant.QuantLinear(d, f, 64)(x) for _, d, f in parts], dim=-1)
+    assert torch.equal(fused(x), alone)
+    report = PackReport("native")
+    report.add(fused)
+    assert report.formats == {"Q4_1": 1, "Q8_0": 1}
 
 
 def test_mixed_format_projection_runs_the_layer_kernel(smol_native):

@@ -63,8 +63,8 @@ def weight_index(float_model) -> dict[bytes, str]:
 def _blocks_of(mod):
     """``(blocks uint8 [N, nb * bytes], fmt)`` of a packed projection, or ``None`` for a float matrix."""
     from ..models.packing import _Concat  # noqa: PLC0415
-    from ..models.quant import (Q4_1, Q4_K, Q6_K, Q8_0, QuantLinear, RowSlice, dequantize_reference,  # noqa: PLC0415
-                                q4_k_as_q4_1, quantize_q8_0)
+    from ..models.quant import (Q4_1, Q4_K, Q6_K, Q8_0, QuantLinear, RowSlice, q4_k_as_q4_1,  # noqa: PLC0415
+                                q6_k_as_q8_0)
 
     start, stop = 0, mod.out_features
     if isinstance(mod, RowSlice):
@@ -81,8 +81,7 @@ def _blocks_of(mod):
     if not isinstance(mod, QuantLinear):
         return None
     if mod.fmt == Q6_K:  # MatMulNBits has no 6-bit form: Q8_0 of the dequantized rows (a second rounding)
-        w = dequantize_reference(mod.blocks[start:stop], Q6_K, mod.in_features)
-        return quantize_q8_0(w), Q8_0
+        return q6_k_as_q8_0(mod.blocks[start:stop]), Q8_0
     if mod.fmt == Q4_K:  # as Q4_1 blocks: the same 4-bit values, scales and mins rounded to fp16
         return q4_k_as_q4_1(mod.blocks[start:stop]), Q4_1
     return mod.blocks[start:stop], mod.fmt

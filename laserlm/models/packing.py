@@ -75,8 +75,9 @@ class PackReport:
     cached: bool = False
 
     def add(self, module: nn.Module, note: str | None = None, name: str | None = None) -> None:
-        key = quant.FORMAT_NAMES.get(getattr(module, "fmt", None), "float32")
-        self.formats[key] = self.formats.get(key, 0) + 1
+        for part in getattr(module, "parts", None) or [module]:  # a fused projection of mixed formats: each part
+            key = quant.FORMAT_NAMES.get(getattr(part, "fmt", None), "float32")
+            self.formats[key] = self.formats.get(key, 0) + 1
         self.nbytes += module.nbytes
         if note is not None:
             self.notes[note] = self.notes.get(note, 0) + 1
@@ -118,8 +119,15 @@ def _fuse(parts: list[tuple[str, torch.Tensor, int | None]], k: int, bias: torch
         kind, _, fmt = parts[0]
         data = torch.cat([d for _, d, _ in parts]) if len(parts) > 1 else parts[0][1]
         return QuantLinear(data, fmt, k, bias) if kind == "blocks" else DenseLinear(data, bias)
-    mods, row = [], 0
+    runs = []  # adjacent parts of one kind and format stacked into one matrix: one product each, not one per part
     for kind, data, fmt in parts:
+        if runs and runs[-1][0] == (kind, fmt):
+            runs[-1][1].append(data)
+        else:
+            runs.append(((kind, fmt), [data]))
+    mods, row = [], 0
+    for (kind, fmt), datas in runs:
+        data = torch.cat(datas) if len(datas) > 1 else datas[0]
         b = None if bias is None else bias[row:row + data.shape[0]]
         mods.append(QuantLinear(data, fmt, k, b) if kind == "blocks" else DenseLinear(data, b))
         row += data.shape[0]

@@ -1,7 +1,7 @@
 """Weight formats: block-quantized linear layers and embeddings that run on laserlm's CPU kernels.
 
-A quantized matrix ``W [N, K]`` is stored in blocks along K, in three formats with the sizes and semantics of
-GGUF's (so GGUF tensors of these types are used without re-quantization):
+A quantized matrix ``W [N, K]`` is stored in blocks along K, in four formats with the sizes and semantics of
+GGUF's (so GGUF tensors of these types can be used without re-quantization):
 
 ========  =======  =====  ===============================================================
 format    weights  bytes  weight
@@ -16,9 +16,10 @@ Two layouts of the same blocks:
 
 - the *row layout* ``uint8 [N, row_bytes(fmt, K)]``: Q4_1 / Q8_0 rows are "structure of arrays" (``nb = K / 32``):
   ``nb x 16`` bytes of nibbles (byte j of a block: weight j low, weight j + 16 high, as GGUF), ``nb`` fp16 ``d``,
-  then (Q4_1) ``nb`` fp16 ``m``; or ``nb x 32`` int8 and ``nb`` fp16 ``d`` (Q8_0). Q6_K and Q4_K rows are GGUF's own
-  blocks (``ql[128], qh[64], sc[16], d`` and ``d, dmin, scales[12], qs[128]``). What conversion produces (:func:`to_soa` rearranges GGUF's interleaved Q4/Q8
-  blocks and turns Q4_0 into Q4_1 with ``m = -8 d``, exactly), what the ONNX export reads;
+  then (Q4_1) ``nb`` fp16 ``m``; or ``nb x 32`` int8 and ``nb`` fp16 ``d`` (Q8_0). Q6_K and Q4_K rows are GGUF's
+  own blocks (``ql[128], qh[64], sc[16], d`` and ``d, dmin, scales[12], qs[128]``). What conversion produces
+  (:func:`to_soa` rearranges GGUF's interleaved Q4/Q8 blocks and turns Q4_0 into Q4_1 with ``m = -8 d``, exactly),
+  what the ONNX export reads;
 - the *kernel layout* ``uint8 [ceil(N / 16), group_bytes(fmt, K)]``: rows taken 16 at a time and
   column-interleaved block by block (:func:`kernel_layout`; the byte order is documented in ``kernels/qgemm.h``),
   what :class:`QuantLinear` and :class:`QuantEmbedding` hold, the kernels multiply and the packed-weights cache
@@ -29,12 +30,6 @@ How each GGUF tensor type is taken by ``--weights native`` (see :func:`from_gguf
 - ``Q4_0`` (as Q4_1), ``Q4_1``, ``Q8_0``: the stored values (exact).
 - ``Q6_K``: re-quantized to ``Q8_0`` like the types below (the default), or kept as ``Q6_K`` (exact, 23 % fewer
   bytes) with ``LASERLM_KQUANTS=native``.
-
-The native K-quant kernels save bytes but do more work per byte (scales from 6-bit integers per 32 weights; Q6_K also
-unpacks 6-bit weights and applies a scale per 16 weights, for int16 activations): on an AMD Zen 4 with a 128k x 2048
-head, a one-token product at 1 thread took 6.9 ms as Q4_K against 6.1 as Q4_1 and 14.6 ms as Q6_K against 10.4 as
-Q8_0, and a 4-token one 20-70 % longer; only Q4_K at 2 threads was faster (4.4 against 4.8 ms;
-``benchmarks/RESULTS.md``). So the conversions stay the default.
 - ``Q5_0``: re-packed into ``Q8_0`` blocks with the same scale (exact: its values are ``d * (q - 16)``,
   ``q - 16`` in ``[-16, 15]``).
 - ``Q4_K``: each 32-weight sub-block becomes a ``Q4_1`` block with ``d = d_super * sc`` and
@@ -46,6 +41,12 @@ Q8_0, and a 4-token one 20-70 % longer; only Q4_K at 2 threads was faster (4.4 a
 - ``Q5_1``, ``Q5_K``, ``Q6_K`` (by default), ``Q2_K``, ``Q3_K``, ``Q8_1``: dequantized by ``gguf`` and re-quantized to ``Q8_0``
   (round to nearest, error at most half a step of ``max|w| / 127`` per block).
 - ``F32``, ``F16``, ``BF16``: kept as float matrices.
+
+The native K-quant kernels save bytes but do more work per byte (scales from 6-bit integers per 32 weights; Q6_K also
+unpacks 6-bit weights and applies a scale per 16 weights, for int16 activations): on an AMD Zen 4 with a 128k x 2048
+head, a one-token product at 1 thread took 6.9 ms as Q4_K against 6.1 as Q4_1 and 14.6 ms as Q6_K against 10.4 as
+Q8_0, and a 4-token one 20-70 % longer; only Q4_K at 2 threads was faster (4.4 against 4.8 ms;
+``benchmarks/RESULTS.md``). So the conversions stay the default.
 
 ``--weights int4`` / ``int8`` quantize any float matrix by round-to-nearest into ``Q4_1`` (affine, group 32,
 the layout of llama.cpp's Q4_1) or ``Q8_0`` (symmetric, group 32). Matrices whose in-dimension is not a
@@ -237,9 +238,17 @@ def _q4k_row_layout(qweight: torch.Tensor, n: int) -> torch.Tensor:
     return _q4k_blocks(q, sc, m, d, dmin)[:n].contiguous()
 
 
+def q6_k_as_q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows -> Q8_0 rows of their dequantized values (round to nearest), :data:`CONVERT_ROWS` rows at a time:
+    for consumers that have no Q6_K form (the ONNX export's ``MatMulNBits``)."""
+    k = blocks.shape[1] // 210 * 256
+    return torch.cat([quantize_q8_0(dequantize_reference(blocks[r:r + CONVERT_ROWS], Q6_K, k))
+                      for r in range(0, blocks.shape[0], CONVERT_ROWS)])
+
+
 def kernel_layout(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
-    """Row layout ``uint8 [N, nb * bytes]`` -> kernel layout ``uint8 [ceil(N / 16), nb * 16 * bytes]`` (rows past N
-    are zero blocks). The inverse is :func:`row_layout`.
+    """Row layout ``uint8 [N, row_bytes(fmt, K)]`` -> kernel layout ``uint8 [ceil(N / 16), group_bytes(fmt, K)]``
+    (rows past N are zero blocks). The inverse is :func:`row_layout`.
 
     Raises:
         InvalidArgumentError: an unknown format or a row size that is not a whole number of blocks."""
@@ -267,11 +276,16 @@ def kernel_layout(blocks: torch.Tensor, fmt: int) -> torch.Tensor:
 
 
 def row_layout(qweight: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
-    """Kernel layout ``uint8 [ceil(N / 16), nb * 16 * bytes]`` -> row layout ``uint8 [N, nb * bytes]`` (a copy)."""
-    if fmt == Q6_K:
-        return _q6k_row_layout(qweight, n)
-    if fmt == Q4_K:
-        return _q4k_row_layout(qweight, n)
+    """Kernel layout ``uint8 [ceil(N / 16), group_bytes(fmt, K)]`` -> row layout ``uint8 [N, row_bytes(fmt, K)]``
+    (a copy)."""
+    if fmt in (Q6_K, Q4_K):  # a few groups at a time, as kernel_layout
+        convert = _q6k_row_layout if fmt == Q6_K else _q4k_row_layout
+        g = qweight.shape[0]
+        step = max(1, (1 << 22) // (GROUP_ROWS * (qweight.shape[1] // REGION_BYTES[fmt]) * 256))
+        if g <= step:
+            return convert(qweight, n)
+        return torch.cat([convert(qweight[g0:g0 + step], min(n, (g0 + step) * GROUP_ROWS) - g0 * GROUP_ROWS)
+                          for g0 in range(0, g, step)])
     g, gb = qweight.shape
     bb = BLOCK_BYTES[fmt]
     nb = gb // (GROUP_ROWS * bb)
@@ -408,7 +422,10 @@ def quantize_q4_k(w: torch.Tensor) -> torch.Tensor:
 
 def q4_k_as_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_K rows -> Q4_1 rows (row layout), one block per 32 weights with ``d * sc`` and ``-dmin * m`` rounded to fp16
-    (relative scale error at most 2**-11): for consumers that have no Q4_K form (the ONNX export's ``MatMulNBits``)."""
+    (relative scale error at most 2**-11): the default conversion of a GGUF's Q4_K tensors, and for consumers that
+    have no Q4_K form (the ONNX export's ``MatMulNBits``). :data:`CONVERT_ROWS` rows at a time."""
+    if blocks.shape[0] > CONVERT_ROWS:
+        return torch.cat([q4_k_as_q4_1(blocks[r:r + CONVERT_ROWS]) for r in range(0, blocks.shape[0], CONVERT_ROWS)])
     q, sc, m, d, dmin = _q4k_values(blocks)
     n, nsb = q.shape[:2]
     dsc = (d.contiguous().view(torch.float16).float() * sc.float()).half()  # [n, nsb, 8]

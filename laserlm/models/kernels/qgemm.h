@@ -10,8 +10,8 @@
 //         weights), fp16 d and dmin                           w = (d * sc[k / 32]) * q - dmin * m[k / 32]
 //
 // Kernel layout ("groups of 16 rows"): the N rows of W are taken 16 at a time (G = ceil(N / 16) groups; rows past N
-// are zero). Group g is one contiguous run of nb = K / 32 block regions; the region of block b holds the 16 rows'
-// block b, column-interleaved so that one 64-byte vector holds the same few weights of all 16 rows (one 32-bit lane
+// are zero). Group g is one contiguous run of nb = K / 32 block regions (K / 256 for Q6_K and Q4_K, whose regions
+// hold 8 blocks); the region of block b holds the 16 rows' block b, column-interleaved so that one 64-byte vector holds the same few weights of all 16 rows (one 32-bit lane
 // per row: lane c = row 16 g + c):
 //   Q4_1 region, 320 bytes: 4 chunks of 64 bytes, then 16 fp16 d, then 16 fp16 m.
 //        chunk h (weights 8h .. 8h + 7 of the block): byte j (0..3) of lane c = q[8h + j] | q[8h + 4 + j] << 4
@@ -26,7 +26,7 @@
 //        packs the scales in 6 bits): the 8 blocks' quants in Q4_1's form (256 bytes each), then 8 x 16 uint8 sc
 //        (byte 16 b + c), 8 x 16 uint8 m, 16 fp16 d, 16 fp16 dmin. A block is computed as Q4_1 with d_w = d * sc and
 //        m_w = -(dmin * m), both exact in float32.
-// A matrix is a uint8 tensor [G, nb * 16 * block_bytes]. This is llama.cpp's idea of interleaved repacks
+// A matrix is a uint8 tensor [G, K / 32 * region_bytes(fmt)]. This is llama.cpp's idea of interleaved repacks
 // (block_q4_0x8 and its GEMV / GEMM split) taken to 16 rows: a vector multiply-add computes one partial dot product
 // per row, so a block's 16 dot products need no horizontal reduction, and each weight vector, unpacked once, serves
 // every activation row of the call.
