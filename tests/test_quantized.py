@@ -172,16 +172,26 @@ def test_q6_k_blocks_are_kept_and_match_gguf(monkeypatch):
     kind, blocks, fmt, how = quant.from_gguf(raw, int(T.Q6_K), n, k)
     assert (kind, fmt, how) == ("blocks", quant.Q6_K, "exact") and blocks.shape == (n, quant.row_bytes(fmt, k))
     ref = np.asarray(dequantize(raw, T.Q6_K), dtype=np.float32).reshape(n, k)
+    assert quant.group_bytes(fmt, k) == 16 * 2 * 210  # groups of 16 rows x 2 super-blocks x 210 bytes: Q6_K's bytes
+    _check_kept_superblock_matrix(blocks, fmt, ref)
+
+
+def _check_kept_superblock_matrix(blocks: torch.Tensor, fmt: int, ref: np.ndarray) -> torch.Tensor:
+    """Rows of a kept Q6_K / Q4_K matrix (37 rows: 3 groups) against gguf's dequantized values ``ref``: the PyTorch
+    and compiled dequantizations bit-exact, the kernel layout's shape and round trip, row gathers, the matmul within
+    the activation-rounding bound, and a QuantLinear's bytes and blocks. Returns the kernel layout."""
+    n, k = ref.shape
     assert np.array_equal(quant.dequantize_reference(blocks, fmt, k).numpy(), ref)
     qweight = quant.kernel_layout(blocks, fmt)
-    assert qweight.shape == (3, 16 * 2 * 210)  # groups of 16 rows x 2 super-blocks x 210 bytes: Q6_K's bytes
+    assert qweight.shape == (3, quant.group_bytes(fmt, k))
     assert torch.equal(quant.row_layout(qweight, fmt, n), blocks)
     assert np.array_equal(quant.dequantize(qweight, fmt, k, n).numpy(), ref)
     rows = torch.tensor([36, 0, 17])
     assert np.array_equal(quant.dequantize(qweight, fmt, k, n, rows).numpy(), ref[rows.numpy()])
     _check_matmul(blocks, fmt, ref.astype(np.float64))
     lin = quant.QuantLinear(blocks, fmt, k)
-    assert lin.nbytes == 3 * 16 * 2 * 210 and torch.equal(lin.blocks, blocks)
+    assert lin.nbytes == 3 * quant.group_bytes(fmt, k) and torch.equal(lin.blocks, blocks)
+    return qweight
 
 
 def _random_q4_k(n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -212,16 +222,8 @@ def test_q4_k_blocks_are_kept_and_match_gguf(monkeypatch):
     monkeypatch.setenv("LASERLM_KQUANTS", "native")
     kind, blocks, fmt, how = quant.from_gguf(raw, int(T.Q4_K), n, k)
     assert (kind, fmt, how) == ("blocks", quant.Q4_K, "exact") and blocks.shape == (n, 2 * 144)
-    assert np.array_equal(quant.dequantize_reference(blocks, fmt, k).numpy(), ref)
-    qweight = quant.kernel_layout(blocks, fmt)
-    assert qweight.shape == (3, quant.group_bytes(fmt, k)) and quant.group_bytes(fmt, k) == 2 * 2368
-    assert torch.equal(quant.row_layout(qweight, fmt, n), blocks)
-    assert np.array_equal(quant.dequantize(qweight, fmt, k, n).numpy(), ref)
-    rows = torch.tensor([36, 0, 17])
-    assert np.array_equal(quant.dequantize(qweight, fmt, k, n, rows).numpy(), ref[rows.numpy()])
-    _check_matmul(blocks, fmt, ref.astype(np.float64))
-    lin = quant.QuantLinear(blocks, fmt, k)
-    assert lin.nbytes == 3 * 2 * 2368 and torch.equal(lin.blocks, blocks)
+    assert quant.group_bytes(fmt, k) == 2 * 2368
+    qweight = _check_kept_superblock_matrix(blocks, fmt, ref)
     assert quant.QuantLinear.from_qweight(qweight, fmt, k, n).qweight.data_ptr() == qweight.data_ptr()
     assert np.array_equal(quant.dequantize_reference(quant.q4_k_as_q4_1(blocks), quant.Q4_1, k).numpy(), as_q4_1)
 

@@ -135,12 +135,17 @@ def _q6k_blocks(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> torch.Ten
     return torch.cat([ql.reshape(n, nsb, 128), qh.reshape(n, nsb, 64), sc, d], dim=-1).reshape(n, nsb * 210)
 
 
+def _groups_per_chunk(nsb: int) -> int:
+    """Groups of 16 rows of ``nsb`` super-blocks that one layout conversion takes at a time (about 4M weights)."""
+    return max(1, (1 << 22) // (GROUP_ROWS * nsb * 256))
+
+
 def _superblock_kernel_layout(blocks: torch.Tensor, g: int, fmt: int) -> torch.Tensor:
     """Q6_K / Q4_K rows (padded to ``16 g`` rows) -> regions of 16 rows x 256 weights (the layouts in
     ``kernels/qgemm.h``), a few groups at a time (the intermediates of a 128k-row head would take gigabytes)."""
     groups = _q6k_kernel_groups if fmt == Q6_K else _q4k_kernel_groups
     nsb = blocks.shape[1] // BLOCK_BYTES[fmt]
-    step = max(1, (1 << 22) // (GROUP_ROWS * nsb * 256))
+    step = _groups_per_chunk(nsb)
     if g <= step:
         return groups(blocks, g)
     out = torch.empty(g, nsb * REGION_BYTES[fmt], dtype=torch.uint8)
@@ -281,7 +286,7 @@ def row_layout(qweight: torch.Tensor, fmt: int, n: int) -> torch.Tensor:
     if fmt in (Q6_K, Q4_K):  # a few groups at a time, as kernel_layout
         convert = _q6k_row_layout if fmt == Q6_K else _q4k_row_layout
         g = qweight.shape[0]
-        step = max(1, (1 << 22) // (GROUP_ROWS * (qweight.shape[1] // REGION_BYTES[fmt]) * 256))
+        step = _groups_per_chunk(qweight.shape[1] // REGION_BYTES[fmt])
         if g <= step:
             return convert(qweight, n)
         return torch.cat([convert(qweight[g0:g0 + step], min(n, (g0 + step) * GROUP_ROWS) - g0 * GROUP_ROWS)

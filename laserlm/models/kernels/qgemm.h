@@ -486,6 +486,13 @@ LASERLM_TARGET_AVX2 void tile_avx2_q6k(const uint8_t* gw, int64_t gbytes, int64_
 }
 
 // ---- avx512 variant: a tile of TN activation rows x CG groups ------------------------------------------------------
+// Four activation bytes p[0..3] in every 32-bit lane: the operand one vpdpbusd pairs with 4 weights of each row.
+LASERLM_TARGET_AVX512 inline __m512i bcast4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 template <int FMT, int TN, int CG>
 LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_t nb, const Acts& a, int64_t t0,
                                        float* out, int64_t ldo) {
@@ -521,13 +528,8 @@ LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_
         }
         for (int t = 0; t < TN; ++t) {
           const int64_t o = t * a.K + b * QK + h * 8;
-          int32_t l0, l1, h0, h1;
-          std::memcpy(&l0, xl + o, 4);
-          std::memcpy(&l1, xl + o + 4, 4);
-          std::memcpy(&h0, xh + o, 4);
-          std::memcpy(&h1, xh + o + 4, 4);
-          const __m512i bl0 = _mm512_set1_epi32(l0), bl1 = _mm512_set1_epi32(l1);
-          const __m512i bh0 = _mm512_set1_epi32(h0), bh1 = _mm512_set1_epi32(h1);
+          const __m512i bl0 = bcast4(xl + o), bl1 = bcast4(xl + o + 4);
+          const __m512i bh0 = bcast4(xh + o), bh1 = bcast4(xh + o + 4);
           for (int c = 0; c < CG; ++c) {
             al[t][c] = _mm512_dpbusd_epi32(al[t][c], bl0, wl[c]);  // lo (u8) x w (0..15 as s8)
             al2[t][c] = _mm512_dpbusd_epi32(al2[t][c], bl1, wh[c]);
@@ -546,10 +548,7 @@ LASERLM_TARGET_AVX512 void tile_avx512(const uint8_t* gw, int64_t gbytes, int64_
         }
         for (int t = 0; t < TN; ++t) {
           const int64_t o = t * a.K + b * QK + h * 4;
-          int32_t l0, h0;
-          std::memcpy(&l0, xl + o, 4);
-          std::memcpy(&h0, xh + o, 4);
-          const __m512i bl0 = _mm512_set1_epi32(l0), bh0 = _mm512_set1_epi32(h0);
+          const __m512i bl0 = bcast4(xl + o), bh0 = bcast4(xh + o);
           for (int c = 0; c < CG; ++c) {
             if (h % 2 == 0) {
               al[t][c] = _mm512_dpbusd_epi32(al[t][c], bl0, wv[c]);  // lo (u8) x w (s8)
@@ -638,13 +637,8 @@ LASERLM_TARGET_AVX512 void tile_avx512_q6k(const uint8_t* gw, int64_t gbytes, in
         }
         for (int t = 0; t < TN; ++t) {
           const int64_t o = t * a.K + sb * 256 + s * 16 + e * 8;
-          int32_t l0, l1, h0, h1;
-          std::memcpy(&l0, xl + o, 4);
-          std::memcpy(&l1, xl + o + 4, 4);
-          std::memcpy(&h0, xh + o, 4);
-          std::memcpy(&h1, xh + o + 4, 4);
-          const __m512i bl0 = _mm512_set1_epi32(l0), bl1 = _mm512_set1_epi32(l1);
-          const __m512i bh0 = _mm512_set1_epi32(h0), bh1 = _mm512_set1_epi32(h1);
+          const __m512i bl0 = bcast4(xl + o), bl1 = bcast4(xl + o + 4);
+          const __m512i bh0 = bcast4(xh + o), bh1 = bcast4(xh + o + 4);
           for (int c = 0; c < CG; ++c) {
             al[t][c] = _mm512_dpbusd_epi32(al[t][c], bl0, wl[c]);
             ah[t][c] = _mm512_dpbusd_epi32(ah[t][c], wl[c], bh0);
