@@ -59,10 +59,8 @@ The speculative search lives in :mod:`laserlm.speculative` (below this layer), s
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -86,7 +84,7 @@ CHAT_PROMPT_SOURCES = ("arc/ARC-Easy-Dev.jsonl", "arc/ARC-Challenge-Dev.jsonl", 
 ADAPTIVE_RECIPE = "chat-v2"
 
 __all__ = ["ADAPTIVE_PASS_THROUGH", "ADAPTIVE_RULE_OPTIONS", "SPECULATIVE_PASS_THROUGH", "SPECULATIVE_RULE_OPTIONS",
-           "adaptive_artifact_path", "adaptive_default", "build_lock", "bundled_name", "check_before_load",
+           "adaptive_artifact_path", "adaptive_default", "bundled_name", "check_before_load",
            "ensure_speculative_settings", "needs_default", "resolve_spec", "set_adaptive_builder",
            "speculative_settings_path"]
 
@@ -205,14 +203,15 @@ def _data_key(source) -> str:
 
 
 def _model_key(engine) -> dict:
-    """Model, weight file, weight format and dtype: what a cached default is tied to (with ``LASERLM_KQUANTS=native``,
-    that too: a GGUF's Q4_K / Q6_K matrices then hold other values than the default conversions)."""
-    from .models.quant import kquant_mode  # noqa: PLC0415
+    """Model, weight file, weight format and dtype: what a cached default is tied to (and whether K-quant matrices are
+    kept, :func:`~laserlm.models.loader.kquants_kept`: a GGUF's Q4_K / Q6_K matrices then hold other values than the
+    default conversions)."""
+    from .models.loader import kquants_kept  # noqa: PLC0415
 
     loaded = engine.loaded
     key = {"model": loaded.name, "source": Path(loaded.path).name, "weights": engine.weights,
            "dtype": str(engine.dtype).replace("torch.", ""), "identity": loaded.identity}
-    if engine.weights == "native" and kquant_mode() == "native":
+    if kquants_kept(loaded.path, engine.weights):
         key["kquants"] = "native"
     return key
 
@@ -293,45 +292,17 @@ def adaptive_default(engine, progress: bool = True) -> Path:
         "or explicit thresholds (adaptive:policy=confidence,threshold=0.99)")
 
 
-@contextlib.contextmanager
-def build_lock(path: Path):
-    """An exclusive lock on ``path`` (one process builds a default at a time; others wait, then reuse it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        try:
-            import fcntl  # noqa: PLC0415
-        except ImportError:  # not POSIX: no lock
-            yield
-            return
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 # -- speculative ---------------------------------------------------------------------------------------------
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform  # noqa: PLC0415
-
-    return platform.processor() or platform.machine()
-
-
 def speculative_settings_path(engine) -> Path:
-    """Where the tuned draft settings of ``engine``'s model are cached (keyed by model, weights, dtype, CPU model,
-    torch threads and the validation data); it need not exist yet.
+    """Where the tuned draft settings of ``engine``'s model are cached (keyed by model, weights, dtype, the CPU's name,
+    family and model numbers, torch threads and the validation data); it need not exist yet.
 
     Raises:
         InvalidArgumentError: no validation data (WikiText-2 valid) under the data directory.
     """
     import torch  # noqa: PLC0415
 
+    from .cpuinfo import cpu_identity  # noqa: PLC0415
     from .data import find_data_root  # noqa: PLC0415
 
     root = find_data_root()
@@ -341,7 +312,7 @@ def speculative_settings_path(engine) -> Path:
 
         raise InvalidArgumentError(f"the tuned speculative default needs WikiText-2 valid text (set ${ENV_VAR} to a "
                                    "data directory), or pass draft settings: speculative:draft_layers=N,k=1,threshold=0.8")
-    key = {**_model_key(engine), "cpu": _cpu_name(), "threads": torch.get_num_threads(), "data": _data_key(wiki)}
+    key = {**_model_key(engine), "cpu": cpu_identity(), "threads": torch.get_num_threads(), "data": _data_key(wiki)}
     return _entry_dir(engine, "speculative", key) / SPECULATIVE_FILE
 
 
@@ -352,6 +323,9 @@ def ensure_speculative_settings(engine, progress: bool = True) -> dict:
     Raises:
         InvalidArgumentError: no validation data, or no tokenizer.
     """
+    from .models.cache import build_lock  # noqa: PLC0415
+    from .models.files import write_json  # noqa: PLC0415
+
     engine = getattr(engine, "engine", engine)
     path = speculative_settings_path(engine)
     if not path.is_file():
@@ -363,9 +337,7 @@ def ensure_speculative_settings(engine, progress: bool = True) -> dict:
                     print(f"laserlm: tuning the speculative draft settings for {engine.loaded.name} once (about a "
                           f"minute) into {path.parent}; later runs reuse them", file=sys.stderr, flush=True)
                 report = calibrate(engine, progress=progress, announce=False)  # the line above says what runs
-                tmp = path.with_name(path.name + ".tmp")
-                tmp.write_text(json.dumps(report, indent=2, default=str))
-                os.replace(tmp, path)
+                write_json(report, path)
     try:
         chosen = json.loads(path.read_text())["chosen"]
         return {k: chosen[k] for k in ("draft_layers", "k", "threshold")} | {"predicted_speedup":

@@ -4,7 +4,6 @@ timestamp, strict JSON output (NaN -> null)."""
 from __future__ import annotations
 
 import math
-import platform
 import time
 
 import torch
@@ -12,18 +11,11 @@ import torch
 
 def machine() -> str:
     """A one-line description of this machine (CPU, cores, torch threads)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     import os  # noqa: PLC0415
 
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    from .cpuinfo import cpu_name  # noqa: PLC0415
+
+    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
 
 
 def now() -> str:

@@ -165,6 +165,9 @@ def test_k_quants_kept_natively_on_request(cut, cache, monkeypatch):
     conversions (Q4_1 with fp16 scales, Q8_0), and equal again when read back from the cache."""
     from gguf import GGMLQuantizationType as T
 
+    from types import SimpleNamespace
+
+    from laserlm.defaults import _model_key
     from laserlm.models.gguf_file import GGUFTensors
     from laserlm.models.loader import load_model, packed_cache_path
 
@@ -176,6 +179,9 @@ def test_k_quants_kept_natively_on_request(cut, cache, monkeypatch):
     kept = load_model(str(cut), weights="native")
     assert {"Q4_K", "Q6_K"} <= set(kept.pack_report.formats) and not {"Q4_K", "Q6_K"} & set(default.pack_report.formats)
     assert packed_cache_path(kept.path, "native").name.startswith("packed-native-kquants-")
+    native = SimpleNamespace(loaded=kept, weights="native", dtype=torch.float32)
+    with_kept = _model_key(native)  # a default certified on the conversions is not reused on the kept matrices
+    assert with_kept["kquants"] == "native" and with_kept != _without_env(monkeypatch, lambda: _model_key(native))
     ids = torch.tensor([kept.tokenizer("The capital of France is a city with")["input_ids"]])
     with torch.no_grad():
         r, d, k = ref.model(ids).logits, default.model(ids).logits, kept.model(ids).logits
@@ -186,6 +192,33 @@ def test_k_quants_kept_natively_on_request(cut, cache, monkeypatch):
         back = load_model(str(cut), weights="native")  # the default's own cache, untouched by the kept one
         assert back.pack_report.cached and back.pack_report.formats == default.pack_report.formats
         assert torch.equal(back.model(ids).logits, d)
+
+
+def _without_env(monkeypatch, f):
+    """``f()`` with ``LASERLM_KQUANTS`` unset, then set back to ``native``."""
+    monkeypatch.delenv("LASERLM_KQUANTS")
+    try:
+        return f()
+    finally:
+        monkeypatch.setenv("LASERLM_KQUANTS", "native")
+
+
+def test_keeping_k_quants_makes_a_cache_of_its_own_only_for_files_that_hold_them(cut, cache, monkeypatch):
+    """Under ``LASERLM_KQUANTS=native`` a file without Q4_K / Q6_K tensors (SmolLM2's) packs exactly as by default,
+    so it keeps the default's packed cache instead of writing a duplicate; Gemma3's file gets a cache of its own."""
+    from gguf import GGMLQuantizationType as T
+
+    from laserlm.models.gguf_file import GGUFTensors
+    from laserlm.models.loader import convert_gguf, packed_cache_path
+
+    holds = bool({T.Q4_K, T.Q6_K} & {t.tensor_type for t in GGUFTensors(cut).tensors})
+    where = convert_gguf(cut, progress=False, float_copy=False)
+    monkeypatch.delenv("LASERLM_KQUANTS", raising=False)
+    default = {w: packed_cache_path(where, w) for w in ("native", "int8")}
+    monkeypatch.setenv("LASERLM_KQUANTS", "native")
+    kept = {w: packed_cache_path(where, w) for w in ("native", "int8")}
+    assert (kept["native"] != default["native"]) is holds and ("-kquants" in kept["native"].name) is holds
+    assert kept["int8"] == default["int8"]
 
 
 def test_too_large_for_memory_is_refused_before_allocation(cut, cache, monkeypatch):

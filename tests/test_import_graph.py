@@ -7,7 +7,7 @@ counted on their own). Layers, bottom first (a module may import its own layer a
 
 | rank | layer | modules |
 |---|---|---|
-| 0 | base | ``laserlm.errors``, ``laserlm.data`` (the data resolver, when present) |
+| 0 | base | ``laserlm.errors``, ``laserlm.data`` (the data resolver, when present), ``laserlm.cpuinfo`` (what the CPU is) |
 | 1 | models | ``laserlm.models.*`` |
 | 2 | runtime | ``laserlm.runtime.*`` |
 | 3 | modes | ``laserlm.depth.*``, ``laserlm.speculative.*``, ``laserlm.attention.*`` |
@@ -42,7 +42,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "laserlm"
 
 LAYERS = [  # (rank, layer name, package prefixes or exact module names)
-    (0, "base", ("laserlm.errors", "laserlm.data")),
+    (0, "base", ("laserlm.errors", "laserlm.data", "laserlm.cpuinfo")),
     (1, "models", ("laserlm.models",)),
     (2, "runtime", ("laserlm.runtime",)),
     (3, "modes", ("laserlm.depth", "laserlm.speculative", "laserlm.attention")),

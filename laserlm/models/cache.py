@@ -1,9 +1,15 @@
-"""Where laserlm keeps what it builds from models: converted GGUF copies, assembled GGUF files, packed
-weights, weight hashes and compiled kernels (one small module, so the loader, the bundled-model registry
-and the kernel builder share it without importing each other)."""
+"""Where and how laserlm keeps what it builds: converted GGUF copies, assembled GGUF files, packed weights, weight
+hashes, compiled kernels, calibrated defaults and per-machine measurements (one small module, so the loader, the
+bundled-model registry, the kernel builder and the defaults share it without importing each other).
+
+What is built goes through one lock (:func:`build_lock`: one process builds, the others wait and reuse) and is
+written atomically (:func:`laserlm.models.files.atomic_write`), so two processes never see half a file or lose each
+other's entries."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -14,3 +20,67 @@ def cache_root() -> Path:
     root = Path(os.environ.get("LASERLM_CACHE", Path.home() / ".cache" / "laserlm"))
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+@contextlib.contextmanager
+def build_lock(path: Path):
+    """An exclusive lock on ``path`` (one process builds a cache entry at a time; others wait, then reuse it).
+    Not POSIX (no ``fcntl``): no lock.
+
+    Raises:
+        OSError: the lock file cannot be created (a read-only cache).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            import fcntl  # noqa: PLC0415
+        except ImportError:  # not POSIX: no lock
+            yield
+            return
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached_json_entry(path: Path, key: str, build, valid, refresh: bool = False):
+    """``(value, cached)``: one entry of the JSON object file ``path`` (entries keyed by ``key``). ``valid(entry)``
+    turns a stored entry into its value, or ``None`` when the entry is damaged or stale; on a miss (or ``refresh``)
+    ``build()`` makes a new entry, which is stored and returned as ``valid(entry)``.
+
+    The read, the build and the write happen under :func:`build_lock` on ``path.lock``: processes that want the same
+    entry build it once, and no process's entry is lost to another's write. A file that is not a JSON object is
+    rewritten. A path that cannot be locked, read or written is not an error: the entry is built and not kept.
+
+    Raises:
+        whatever ``build`` raises; ``ValueError`` when ``valid`` refuses what ``build`` just made.
+    """
+    from .files import write_json  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(build_lock(path.with_name(path.name + ".lock")))
+            saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+            writable = True
+        except OSError:  # a read-only or missing cache directory: build, keep nothing
+            saved, writable = {}, False
+        except ValueError:  # damaged (not JSON, not UTF-8): rewritten
+            saved, writable = {}, True
+        if not isinstance(saved, dict):
+            saved = {}
+        if not refresh and key in saved:
+            value = valid(saved[key])
+            if value is not None:
+                return value, True
+        entry = build()
+        value = valid(entry)
+        if value is None:
+            raise ValueError(f"the new entry for {path.name} is not valid: {entry!r}")
+        if writable:
+            saved[key] = entry
+            try:
+                write_json(saved, path, indent=1)
+            except OSError:
+                pass
+        return value, False

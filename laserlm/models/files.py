@@ -1,5 +1,5 @@
-"""Artifact files: their identity (:func:`file_sha256`) and how they are written (:func:`write_safetensors`:
-atomically, with the permissions of the user's umask)."""
+"""Artifact files: their identity (:func:`file_sha256`) and how they are written (:func:`atomic_write`, and on it
+:func:`write_safetensors` and :func:`write_json`: atomically, with the permissions of the user's umask)."""
 
 from __future__ import annotations
 
@@ -19,20 +19,22 @@ def file_sha256(path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_safetensors(tensors: dict, path, metadata: dict[str, str] | None = None) -> Path:
-    """Write ``tensors`` (name -> contiguous tensor) to ``path`` as safetensors: into a temporary file beside it,
-    then renamed over it (an interrupted write never leaves half a file), with mode ``0o666 & ~umask`` as any file
-    the user creates (safetensors itself writes ``0o600``).
+def atomic_write(path, write) -> Path:
+    """Write a file the way every laserlm file is written: ``write(tmp)`` fills a temporary file beside ``path``
+    (its name unique to this process and thread), which gets mode ``0o666 & ~umask`` as any file the user creates and
+    is then renamed over ``path``, so a reader sees the old file or the new one, never a part, and an interrupted
+    write leaves no temporary behind.
 
     Raises:
-        OSError: the directory is not writable, or the disk is full (the temporary file is removed).
+        OSError: the directory is not writable, or the disk is full; anything ``write`` raises (the temporary file
+        is removed either way).
     """
-    from safetensors.torch import save_file  # noqa: PLC0415
+    import threading  # noqa: PLC0415
 
     path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
-        save_file(tensors, str(tmp), metadata=metadata)
+        write(tmp)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -42,4 +44,28 @@ def write_safetensors(tensors: dict, path, metadata: dict[str, str] | None = Non
     return path
 
 
-__all__ = ["file_sha256", "write_safetensors"]
+def write_safetensors(tensors: dict, path, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``tensors`` (name -> contiguous tensor) to ``path`` as safetensors, through :func:`atomic_write` (with
+    the user's umask: safetensors itself writes ``0o600``).
+
+    Raises:
+        OSError: the directory is not writable, or the disk is full (the temporary file is removed).
+    """
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def write_json(obj, path, indent: int = 2) -> Path:
+    """Write ``obj`` as JSON (``default=str`` for paths and numpy scalars) to ``path`` through :func:`atomic_write`.
+
+    Raises:
+        OSError: the directory is not writable, or the disk is full (the temporary file is removed).
+    """
+    import json  # noqa: PLC0415
+
+    text = json.dumps(obj, indent=indent, default=str)
+    return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+__all__ = ["atomic_write", "file_sha256", "write_json", "write_safetensors"]

@@ -9,6 +9,7 @@ float32 copy, written once beside the config (``model.safetensors``).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -25,6 +26,7 @@ import torch
 from ..errors import CorruptModelError, InvalidArgumentError, ModelNotFoundError, UnsupportedArchitectureError
 from .cache import cache_root
 from .dtypes import check_offered_dtype
+from .files import atomic_write
 from .registry import BUNDLED
 from .tokenizer_probe import warn_on_round_trip_failure
 
@@ -215,9 +217,7 @@ def _write_float_copy(gguf_path: Path, out: Path, progress: bool) -> None:
     _quiet_transformers()
     with _gguf_errors(gguf_path):
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tmp = out / f"model.safetensors.tmp-{os.getpid()}"
-    save_model(model, str(tmp))
-    tmp.replace(out / "model.safetensors")
+    atomic_write(out / "model.safetensors", lambda tmp: save_model(model, str(tmp)))
 
 
 def _check_architecture(model_dir: Path, label: str) -> str:
@@ -330,10 +330,37 @@ def packed_cache_path(where, weights: str) -> Path | None:
     under ``<cache>/packed/`` keyed by the directory's path and its weight files' sizes and times; ``None`` for
     a hub id."""
     from .packing import PACK_FORMAT_VERSION  # noqa: PLC0415
+
+    variant = "-kquants" if kquants_kept(where, weights) else ""
+    return _cache_file_for(where, f"packed-{weights}{variant}-v{PACK_FORMAT_VERSION}.safetensors")
+
+
+def kquants_kept(where, weights: str) -> bool:
+    """Whether loading ``where`` with ``weights`` keeps K-quant matrices as they are (``LASERLM_KQUANTS=native``,
+    :func:`laserlm.models.quant.kquant_mode`): native weights of a GGUF file that holds Q4_K or Q6_K tensors. Only
+    then do the packed weights differ from the default conversions', so only then do the packed cache and the
+    calibrated defaults need a key of their own.
+
+    Raises:
+        CorruptModelError: the source GGUF's tensor table cannot be read.
+    """
     from .quant import kquant_mode  # noqa: PLC0415
 
-    variant = "-kquants" if weights == "native" and kquant_mode() == "native" else ""
-    return _cache_file_for(where, f"packed-{weights}{variant}-v{PACK_FORMAT_VERSION}.safetensors")
+    if weights != "native" or kquant_mode() != "native":
+        return False
+    src = gguf_source_of(where)
+    if src is None:
+        return False
+    st = src.stat()
+    return _holds_kquants(str(src), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _holds_kquants(path: str, size: int, mtime_ns: int) -> bool:
+    from .gguf_file import GGUFTensors  # noqa: PLC0415
+    from .quant import Q4_K, Q6_K  # noqa: PLC0415
+
+    return any(int(t.tensor_type) in (Q4_K, Q6_K) for t in GGUFTensors(path).tensors)
 
 
 def _cache_file_for(where, name: str) -> Path | None:
@@ -368,9 +395,7 @@ def _stored_hash(where, compute):
         value = compute()
         if path is not None:
             try:
-                tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-                tmp.write_text(value + "\n")
-                tmp.replace(path)
+                atomic_write(path, lambda tmp: tmp.write_text(value + "\n"))
             except OSError:  # a read-only cache: the digest is recomputed next time
                 pass
         return value

@@ -158,31 +158,13 @@ def fit_verify_cost(engine, widths=(1, 2, 3, 5, 9, 17), repeats: int = 3, contex
     return {"verify_cost": round(a, 4), "verify_base": round(b, 4), "measured": {w: round(v, 3) for w, v in rel.items()}}
 
 
-def _cpu_name() -> str:
-    """The CPU's model name with its family/model numbers (``/proc/cpuinfo``; ``platform.processor()`` elsewhere):
-    two CPUs sold under one name (AMD EPYC: Zen 3, 4, 5) price a multi-row step differently."""
-    import platform  # noqa: PLC0415
-
-    fields = {}
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    break  # the first processor is enough
-                key, _, value = line.partition(":")
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    return f"{name} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-
-
 def verify_table_key(engine) -> str:
     """What a packed verify table depends on: this CPU, the kernel variant and build, torch's version and threads, and
     the model's shapes and matrix formats (not its values). A sha256 hex string."""
     import hashlib  # noqa: PLC0415
     from collections import Counter  # noqa: PLC0415
 
+    from ..cpuinfo import cpu_identity  # noqa: PLC0415
     from ..models import kernels  # noqa: PLC0415
     from ..models.quant import FORMAT_NAMES  # noqa: PLC0415
 
@@ -193,7 +175,7 @@ def verify_table_key(engine) -> str:
     formats = Counter(FORMAT_NAMES.get(getattr(m, "fmt", None), type(m).__name__)
                       for m in engine.model.modules() if hasattr(m, "qweight"))
     ops = kernels.ops()
-    key = {"cpu": _cpu_name(), "isa": ops.kernel_isa() if ops is not None else None,
+    key = {"cpu": cpu_identity(), "isa": ops.kernel_isa() if ops is not None else None,
            "kernel_build": Path(getattr(ops, "__file__", "") or "").parent.name, "torch": torch.__version__,
            "threads": torch.get_num_threads(), "shapes": shapes, "formats": sorted(formats.items()),
            "weights": engine.weights, "dtype": str(engine.dtype), "fast_rows": engine.fast_rows}
@@ -238,9 +220,10 @@ def machine_verify_table(engine, refresh: bool = False) -> dict:
     :func:`verify_costs_path` under :func:`verify_table_key` so a machine, model and thread count pay the
     measurement (about a second on smollm2-135m) once. The measured costs are made non-decreasing in ``w`` (a wider
     step never costs less; timing noise can say otherwise). ``refresh``: measure again and replace the entry. An
-    entry that is not a valid table for these widths is measured again; a file that cannot be read or written is
-    ignored (the table is then measured every time). Processes that measure at the same moment may each write the
-    file, and one's entry can be lost: it is measured again next time.
+    entry that is not a valid table for these widths is measured again. The file is read, measured into and written
+    under one lock (:func:`~laserlm.models.cache.cached_json_entry`): processes that start at the same moment measure
+    once, and none loses another's entry. A file that cannot be read or written is ignored (the table is then
+    measured every time).
 
     Why not the kernel variant's fixed table: one variant prices a verify differently per CPU (AVX-512 on Zen 4,
     which splits 512-bit operations in two, costs 1.65 plain steps at 4 positions where Zen 5 costs 1.33), and a
@@ -248,46 +231,24 @@ def machine_verify_table(engine, refresh: bool = False) -> dict:
 
     Returns ``{"measured": {w: c(w)}, "source": "measured on this machine" | "... (cached)"}``.
     """
-    import os  # noqa: PLC0415
-    import threading  # noqa: PLC0415
-
+    from ..models.cache import cached_json_entry  # noqa: PLC0415
     from .policy import packed_verify_table  # noqa: PLC0415
 
-    key = verify_table_key(engine)
     widths = tuple(w for w in packed_verify_table() if w <= engine.fast_rows)
-    try:
-        path = verify_costs_path()
-        text = path.read_text(encoding="utf-8") if path.is_file() else "{}"
-    except OSError:  # unreadable: measure, and leave the file alone
-        path, text = None, "{}"
-    try:
-        saved = json.loads(text)
-    except ValueError:  # damaged: measured again and rewritten
-        saved = {}
-    if not isinstance(saved, dict):
-        saved = {}
-    entry = saved.get(key)
-    if not refresh and isinstance(entry, dict):
-        table = _valid_table(entry.get("measured"), widths)
-        if table is not None:
-            return {"measured": table, "source": "measured on this machine (cached)"}
-    measured = fit_verify_cost(engine, widths=widths, repeats=5)["measured"]
-    table, top = {}, 1.0
-    for w in widths:
-        top = max(top, min(float(measured[w]), MAX_VERIFY_COST))
-        table[w] = round(top, 3)
-    if path is not None:
-        saved[key] = {"measured": table, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            tmp.write_text(json.dumps(saved, indent=1), encoding="utf-8")
-            tmp.replace(path)
-        except OSError:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-    return {"measured": table, "source": "measured on this machine"}
+
+    def measure() -> dict:
+        measured = fit_verify_cost(engine, widths=widths, repeats=5)["measured"]
+        table, top = {}, 1.0
+        for w in widths:
+            top = max(top, min(float(measured[w]), MAX_VERIFY_COST))
+            table[w] = round(top, 3)
+        return {"measured": table, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+    def valid(entry) -> dict | None:
+        return _valid_table(entry.get("measured"), widths) if isinstance(entry, dict) else None
+
+    table, cached = cached_json_entry(verify_costs_path(), verify_table_key(engine), measure, valid, refresh=refresh)
+    return {"measured": table, "source": "measured on this machine" + (" (cached)" if cached else "")}
 
 
 def simulate(agree, conf, n_draft: int, n_layers: int, k: int, threshold: float, costs: dict,

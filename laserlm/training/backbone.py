@@ -36,7 +36,6 @@ draws are functions of ``(seed, step)``, so a resumed run gives the weights of a
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,8 +46,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
+from ..models.files import atomic_write
 from .lora import LORA_TARGETS, apply_lora, check_lora_args, load_factors, lora_factors
 from .train import GradientControl
+
+
+def _save_torch(obj, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
 
 CKPT = "backbone.ckpt.pt"
 TEACHER = "teacher.pt"
@@ -295,12 +300,6 @@ def _batch_rows(num_records: int, batch: int, step: int, seed: int) -> torch.Ten
     return torch.tensor(rows)
 
 
-def _save_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def train_backbone(model, records: torch.Tensor, teacher: dict, cfg: BackboneConfig, work, progress: bool = True,
                    evaluate=None, resume: bool = True) -> BackboneRun:
     """Train LoRA factors and exit adapters on ``records`` (module docstring). ``model`` gets LoRA wrappers (left in
@@ -370,7 +369,7 @@ def train_backbone(model, records: torch.Tensor, teacher: dict, cfg: BackboneCon
                unit="tok", unit_scale=True, disable=not progress)
 
     def save():
-        _save_atomic({"key": key, "records": _records_digest(records), "factors": lora_factors(mods),
+        _save_torch({"key": key, "records": _records_digest(records), "factors": lora_factors(mods),
                       "adapters": adapters.state_dict(), "opt": opt.state_dict(), "clip_history": {j: c.history for j, c in controls.items()},
                       "step": step, "log": log, "losses": losses}, ckpt)
 

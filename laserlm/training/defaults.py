@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from ..defaults import BUILD_MINUTES, adaptive_artifact_path, build_lock
+from ..defaults import BUILD_MINUTES, adaptive_artifact_path
+from ..models.cache import build_lock
 from ..errors import InvalidArgumentError
 from .pipeline import CalibrateConfig
 

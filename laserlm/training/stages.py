@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from ..models.files import write_json
 
 MANIFEST = "manifest.json"
 FORMAT = "laserlm-calibrate-manifest"
@@ -136,10 +137,8 @@ class StageRunner:
             return {}
 
     def _write_manifest(self, entries: dict) -> None:
-        tmp = self.manifest_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "version": VERSION, "stages": entries}, indent=2),
-                       encoding="utf-8")
-        os.replace(tmp, self.manifest_path)  # atomic: an interrupted write never leaves half a manifest
+        # atomic: an interrupted write never leaves half a manifest
+        write_json({"format": FORMAT, "version": VERSION, "stages": entries}, self.manifest_path)
 
     def run(self, ctx: dict) -> dict:
         """Run (or restore) every applicable stage, updating ``ctx`` in place; returns ``ctx``."""
