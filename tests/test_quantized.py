@@ -463,6 +463,67 @@ def test_layer_kernel_takes_a_projection_in_parts(smol_native):
         run(parts, pfmts, [])
 
 
+def _layer_float64(hidden, norms, eps, mats, cos, sin, h, hkv, hd, scaling, inter):
+    """A Llama decoder layer in float64 (``mats``: float ``[N, K]`` q, k, v, o, gate, up, down), causal from position 0,
+    with the kernel's rotary convention (rotate-half on ``cos`` / ``sin`` ``[T, hd]``): the independent reference."""
+    x = hidden.double()[0]  # [T, d]
+    wq, wk, wv, wo, wg, wu, wd = (m.double() for m in mats)
+    rms = lambda t, w: t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()  # noqa: E731
+    T, half = x.shape[0], hd // 2
+    c, sn = cos.double(), sin.double()
+
+    def rope(t):  # [T, heads, hd]
+        a, b = t[..., :half], t[..., half:]
+        return torch.cat([a * c[:, None, :half] - b * sn[:, None, :half], b * c[:, None, half:] + a * sn[:, None, half:]], -1)
+
+    xn = rms(x, norms[0])
+    q, k, v = rope((xn @ wq.T).view(T, h, hd)), rope((xn @ wk.T).view(T, hkv, hd)), (xn @ wv.T).view(T, hkv, hd)
+    k, v = k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1)
+    sc = torch.einsum("thd,shd->hts", q, k) * scaling
+    sc = sc.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    att = torch.einsum("hts,shd->thd", sc.softmax(-1), v).reshape(T, h * hd)
+    x = x + att @ wo.T
+    xn = rms(x, norms[2])
+    g = xn @ wg.T
+    x = x + (g * torch.sigmoid(g) * (xn @ wu.T)) @ wd.T
+    return x[None]
+
+
+def test_layer_kernel_runs_k_quant_parts_against_float64():
+    """The whole-layer kernel with the formats of a Q4_K_M file kept natively (``LASERLM_KQUANTS=native``): Q4_K
+    q / k and gate / up, Q6_K v and down, Q8_0 o; q / k / v and gate / up each passed as parts of different formats.
+    Widths are multiples of 256 (the bundled models' are not). Against the layer in float64 on the dequantized
+    matrices, for a 5-token prompt, and its K / V against the float64 keys and values; the only difference allowed
+    is the int16 rounding of the activations (relative 2**-15 per 32-block)."""
+    ops = kernels.ops()
+    d, h, hkv, hd, inter, T = 256, 4, 2, 64, 512, 5
+    g = torch.Generator().manual_seed(3)
+    shapes = {"q": (h * hd, d), "k": (hkv * hd, d), "v": (hkv * hd, d), "o": (d, h * hd), "gate": (inter, d),
+              "up": (inter, d), "down": (d, inter)}
+    fmts = {"q": quant.Q4_K, "k": quant.Q4_K, "v": quant.Q6_K, "o": quant.Q8_0, "gate": quant.Q4_K, "up": quant.Q4_K,
+            "down": quant.Q6_K}
+    blocks = {n: quant.quantize_matrix(torch.randn(*s, generator=g) * 0.06, fmts[n]) for n, s in shapes.items()}
+    dense = {n: quant.dequantize_reference(b, fmts[n], shapes[n][1]) for n, b in blocks.items()}
+    kern = {n: quant.kernel_layout(b, fmts[n]).contiguous() for n, b in blocks.items()}
+    norms = [torch.rand(d, generator=g) + 0.5, torch.empty(0), torch.rand(d, generator=g) + 0.5, torch.empty(0),
+             torch.empty(0), torch.empty(0)]
+    hidden = torch.randn(1, T, d, generator=g)
+    pos = torch.arange(T, dtype=torch.float64)[:, None] / (10000 ** (torch.arange(hd // 2, dtype=torch.float64) / (hd // 2)))
+    cos, sin = torch.cat([pos.cos()] * 2, -1).float(), torch.cat([pos.sin()] * 2, -1).float()
+    order = ["q", "k", "v", "o", "gate", "up", "down"]
+    kc, vc = torch.zeros(1, hkv, 8, hd), torch.zeros(1, hkv, 8, hd)
+    out = ops.decode_layer(hidden, norms, 1e-5, [kern[n] for n in order], [fmts[n] for n in order],
+                           [shapes[n][0] for n in order], torch.empty(0), cos, sin, kc, vc, 0, h, hkv, hd, hd ** -0.5,
+                           0, 0, inter)
+    ref = _layer_float64(hidden, norms, 1e-5, [dense[n] for n in order], cos, sin, h, hkv, hd, hd ** -0.5, inter)
+    rel = ((out.double() - ref).norm() / (ref - hidden.double()).norm()).item()  # of what the layer adds
+    assert rel < 2e-4, rel
+    xn = hidden.double()[0] / torch.sqrt(hidden.double()[0].pow(2).mean(-1, keepdim=True) + 1e-5) * norms[0].double()
+    v_ref = (xn @ dense["v"].double().T).view(T, hkv, hd).transpose(0, 1)
+    assert ((vc[0, :, :T].double() - v_ref).norm() / v_ref.norm()).item() < 2e-4
+    assert bool((kc[0, :, T:] == 0).all() and (vc[0, :, T:] == 0).all())  # nothing written past the prompt
+
+
 def test_fused_parts_of_one_format_are_stacked_and_counted_by_format():
     """Converted q / k / v parts in Q4_1, Q4_1, Q8_0 (a Q4_K_M file's layer) become two matrices, q+k and v, whose
     output equals each part's own product; the load report counts them by format, not as float."""
