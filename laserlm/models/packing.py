@@ -394,7 +394,7 @@ def _digest(tensors: dict) -> str:
     h = hashlib.sha1()
     for k in sorted(tensors):
         h.update(k.encode())
-        h.update(tensors[k].contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+        h.update(tensors[k].contiguous().view(torch.uint8).reshape(-1).numpy())  # the buffer itself, not a copy
     return h.hexdigest()
 
 
