@@ -324,7 +324,7 @@ def ensure_speculative_settings(engine, progress: bool = True) -> dict:
         InvalidArgumentError: no validation data, or no tokenizer.
     """
     from .models.cache import build_lock  # noqa: PLC0415
-    from .models.files import write_json  # noqa: PLC0415
+    from .models.files import write_json_atomic  # noqa: PLC0415
 
     engine = getattr(engine, "engine", engine)
     path = speculative_settings_path(engine)
@@ -337,7 +337,7 @@ def ensure_speculative_settings(engine, progress: bool = True) -> dict:
                     print(f"laserlm: tuning the speculative draft settings for {engine.loaded.name} once (about a "
                           f"minute) into {path.parent}; later runs reuse them", file=sys.stderr, flush=True)
                 report = calibrate(engine, progress=progress, announce=False)  # the line above says what runs
-                write_json(report, path)
+                write_json_atomic(report, path, default=str)
     try:
         chosen = json.loads(path.read_text())["chosen"]
         return {k: chosen[k] for k in ("draft_layers", "k", "threshold")} | {"predicted_speedup":

@@ -110,3 +110,39 @@ def test_cpu_identity_reads_proc_cpuinfo_and_tells_cpus_of_one_name_apart(monkey
     b = (cpuinfo.cpu_name(), cpuinfo.cpu_identity(), cpuinfo.cpu_flags())
     assert a[0] == b[0] == "AMD EPYC" and a[1] == "AMD EPYC family 25 model 1" and a[1] != b[1]
     assert (a[2], b[2]) == ("avx2", "avx2 avx512f")
+
+
+def test_a_read_only_cache_still_serves_its_stored_entries(tmp_path, monkeypatch):
+    """Where the lock file cannot be made (a read-only cache), a valid stored entry is still used, not measured
+    again; a missing one is built and not kept."""
+    import json
+
+    from laserlm.models import cache
+
+    path = tmp_path / "entries.json"
+    path.write_text(json.dumps({"k": {"v": 1}}))
+
+    def no_lock(_path):
+        raise PermissionError("read-only")
+
+    monkeypatch.setattr(cache, "build_lock", no_lock)
+    assert cache.cached_json_entry(path, "k", lambda: pytest.fail("built again"), _entry_value) == (1, True)
+    assert cache.cached_json_entry(path, "new", lambda: {"v": 2}, _entry_value) == (2, False)
+    assert json.loads(path.read_text()) == {"k": {"v": 1}}  # nothing written without the lock
+
+
+def test_writes_read_the_umask_without_changing_it(tmp_path, monkeypatch):
+    """A write reads the umask from /proc (Linux) instead of swapping it: a swap lets a file another thread creates
+    meanwhile get umask 0, and two writers swapping at once can leave the process at 0."""
+    from laserlm.models import files
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("no /proc/self/status")
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(files.os, "umask", lambda *_: pytest.fail("the umask was swapped"))
+        path = files.write_json_atomic({"a": 1}, tmp_path / "x.json")
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640 and path.read_text() == '{\n  "a": 1\n}'

@@ -167,7 +167,8 @@ def tensors_digest(tensors: dict) -> str:
 def save_laser_file(path, lm, artifact: LaserArtifact, json_copy: bool = False) -> Path:
     """Write ``artifact`` for ``lm``'s model (a :class:`laserlm.LaserLM` or an engine) to ``path``.
 
-    The file is written to ``<path>.tmp`` and renamed, so a reader never sees half a file. ``json_copy``: also
+    The file is written beside ``path`` and renamed over it (:func:`laserlm.models.files.atomic_write`), so a reader
+    never sees half a file. ``json_copy``: also
     write the metadata, indented, to ``<path without suffix>.json`` (a report for people; never read back).
 
     Raises:

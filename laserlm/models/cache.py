@@ -2,9 +2,9 @@
 hashes, compiled kernels, calibrated defaults and per-machine measurements (one small module, so the loader, the
 bundled-model registry, the kernel builder and the defaults share it without importing each other).
 
-What is built goes through one lock (:func:`build_lock`: one process builds, the others wait and reuse) and is
-written atomically (:func:`laserlm.models.files.atomic_write`), so two processes never see half a file or lose each
-other's entries."""
+Calibrated defaults and per-machine measurements are built under one lock (:func:`build_lock`: one process builds,
+the others wait and reuse); files of shared entries are read and written under it (:func:`cached_json_entry`), so
+two processes never lose each other's entries. Files are written atomically (:func:`laserlm.models.files.atomic_write`)."""
 
 from __future__ import annotations
 
@@ -51,22 +51,29 @@ def cached_json_entry(path: Path, key: str, build, valid, refresh: bool = False)
 
     The read, the build and the write happen under :func:`build_lock` on ``path.lock``: processes that want the same
     entry build it once, and no process's entry is lost to another's write. A file that is not a JSON object is
-    rewritten. A path that cannot be locked, read or written is not an error: the entry is built and not kept.
+    rewritten. Where the lock cannot be taken (a read-only cache) the file is still read, and a valid entry is used;
+    else the entry is built and not kept. A file that cannot be read or written is not an error either.
+    Not re-entrant: a ``build`` that asks for an entry of the same file waits for itself.
 
     Raises:
         whatever ``build`` raises; ``ValueError`` when ``valid`` refuses what ``build`` just made.
     """
-    from .files import write_json  # noqa: PLC0415
+    from .files import write_json_atomic  # noqa: PLC0415
+
+    def read() -> dict:
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        except (OSError, ValueError):  # unreadable, or damaged (not JSON, not UTF-8): rewritten when writable
+            return {}
+        return saved if isinstance(saved, dict) else {}
 
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(build_lock(path.with_name(path.name + ".lock")))
-            saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
             writable = True
-        except OSError:  # a read-only or missing cache directory: build, keep nothing
-            saved, writable = {}, False
-        except ValueError:  # damaged (not JSON, not UTF-8): rewritten
-            saved, writable = {}, True
+        except OSError:  # a read-only or missing cache directory: read what is there, keep nothing new
+            writable = False
+        saved = read()
         if not isinstance(saved, dict):
             saved = {}
         if not refresh and key in saved:
@@ -80,7 +87,7 @@ def cached_json_entry(path: Path, key: str, build, valid, refresh: bool = False)
         if writable:
             saved[key] = entry
             try:
-                write_json(saved, path, indent=1)
+                write_json_atomic(saved, path, indent=1)
             except OSError:
                 pass
         return value, False

@@ -1,5 +1,5 @@
 """Artifact files: their identity (:func:`file_sha256`) and how they are written (:func:`atomic_write`, and on it
-:func:`write_safetensors` and :func:`write_json`: atomically, with the permissions of the user's umask)."""
+:func:`write_safetensors` and :func:`write_json_atomic`: atomically, with the permissions of the user's umask)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,7 @@ def atomic_write(path, write) -> Path:
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_umask())
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -56,16 +54,38 @@ def write_safetensors(tensors: dict, path, metadata: dict[str, str] | None = Non
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
-def write_json(obj, path, indent: int = 2) -> Path:
-    """Write ``obj`` as JSON (``default=str`` for paths and numpy scalars) to ``path`` through :func:`atomic_write`.
+def write_json_atomic(obj, path, indent: int = 2, default=None) -> Path:
+    """Write ``obj`` as JSON to ``path`` through :func:`atomic_write`. ``default``: as ``json.dumps``'s (``str`` turns
+    paths and other values into strings; ``None`` refuses them).
 
     Raises:
+        TypeError: a value JSON cannot hold, with ``default=None`` (nothing is written).
         OSError: the directory is not writable, or the disk is full (the temporary file is removed).
     """
     import json  # noqa: PLC0415
 
-    text = json.dumps(obj, indent=indent, default=str)
+    text = json.dumps(obj, indent=indent, default=default)
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-__all__ = ["atomic_write", "file_sha256", "write_json", "write_safetensors"]
+_UMASK_LOCK = __import__("threading").Lock()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (``/proc/self/status``, kernel 4.7+): the
+    ``os.umask`` swap would let a file another thread creates meanwhile get umask 0. Elsewhere the swap, under a
+    lock (which keeps two writers from saving each other's 0)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    with _UMASK_LOCK:
+        umask = os.umask(0)
+        os.umask(umask)
+    return umask
+
+
+__all__ = ["atomic_write", "file_sha256", "write_json_atomic", "write_safetensors"]

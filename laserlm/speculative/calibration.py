@@ -247,7 +247,11 @@ def machine_verify_table(engine, refresh: bool = False) -> dict:
     def valid(entry) -> dict | None:
         return _valid_table(entry.get("measured"), widths) if isinstance(entry, dict) else None
 
-    table, cached = cached_json_entry(verify_costs_path(), verify_table_key(engine), measure, valid, refresh=refresh)
+    try:
+        path = verify_costs_path()
+    except OSError:  # the cache directory cannot be made: measure, keep nothing
+        return {"measured": valid(measure()), "source": "measured on this machine"}
+    table, cached = cached_json_entry(path, verify_table_key(engine), measure, valid, refresh=refresh)
     return {"measured": table, "source": "measured on this machine" + (" (cached)" if cached else "")}
 
 

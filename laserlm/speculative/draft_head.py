@@ -197,7 +197,7 @@ class DraftModel:
 
 # -- the file --------------------------------------------------------------------------------------------------------
 def save_draft_head(path, engine, head: DraftHead, vocab_ids: torch.Tensor, report: dict | None = None) -> Path:
-    """Write ``head`` (bfloat16: half the bytes; drafting runs Q8_0 copies anyway) and ``vocab_ids`` for ``engine``'s model to ``path`` (via ``<path>.tmp``).
+    """Write ``head`` (bfloat16: half the bytes; drafting runs Q8_0 copies anyway) and ``vocab_ids`` for ``engine``'s model to ``path`` (atomically: :func:`~laserlm.models.files.write_safetensors`).
 
     Raises:
         InvalidArgumentError: the parent directory does not exist.

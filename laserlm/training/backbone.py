@@ -51,10 +51,6 @@ from .lora import LORA_TARGETS, apply_lora, check_lora_args, load_factors, lora_
 from .train import GradientControl
 
 
-def _save_torch(obj, path: Path) -> None:
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
 CKPT = "backbone.ckpt.pt"
 TEACHER = "teacher.pt"
 
@@ -287,6 +283,10 @@ class BackboneRun:
     finished: bool
     log: list = field(default_factory=list)
     losses: list = field(default_factory=list)
+
+
+def _save_torch(obj, path: Path) -> None:
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _batch_rows(num_records: int, batch: int, step: int, seed: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..defaults import BUILD_MINUTES, adaptive_artifact_path
-from ..models.cache import build_lock
 from ..errors import InvalidArgumentError
+from ..models.cache import build_lock
 from .pipeline import CalibrateConfig
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..models.files import write_json
+from ..models.files import write_json_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "laserlm-calibrate-manifest"
@@ -138,7 +138,7 @@ class StageRunner:
 
     def _write_manifest(self, entries: dict) -> None:
         # atomic: an interrupted write never leaves half a manifest
-        write_json({"format": FORMAT, "version": VERSION, "stages": entries}, self.manifest_path)
+        write_json_atomic({"format": FORMAT, "version": VERSION, "stages": entries}, self.manifest_path)
 
     def run(self, ctx: dict) -> dict:
         """Run (or restore) every applicable stage, updating ``ctx`` in place; returns ``ctx``."""
