@@ -74,8 +74,6 @@ def cached_json_entry(path: Path, key: str, build, valid, refresh: bool = False)
         except OSError:  # a read-only or missing cache directory: read what is there, keep nothing new
             writable = False
         saved = read()
-        if not isinstance(saved, dict):
-            saved = {}
         if not refresh and key in saved:
             value = valid(saved[key])
             if value is not None:

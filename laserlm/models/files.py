@@ -1,10 +1,11 @@
 """Artifact files: their identity (:func:`file_sha256`) and how they are written (:func:`atomic_write`, and on it
-:func:`write_safetensors` and :func:`write_json_atomic`: atomically, with the permissions of the user's umask)."""
+:func:`write_safetensors`, :func:`write_json_atomic` and :func:`write_torch_atomic`: atomically, with the permissions of the user's umask)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from pathlib import Path
 
 
@@ -29,8 +30,6 @@ def atomic_write(path, write) -> Path:
         OSError: the directory is not writable, or the disk is full; anything ``write`` raises (the temporary file
         is removed either way).
     """
-    import threading  # noqa: PLC0415
-
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     try:
@@ -68,7 +67,18 @@ def write_json_atomic(obj, path, indent: int = 2, default=None) -> Path:
     return atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-_UMASK_LOCK = __import__("threading").Lock()
+def write_torch_atomic(obj, path) -> Path:
+    """``torch.save(obj)`` to ``path`` through :func:`atomic_write` (checkpoints, cached features).
+
+    Raises:
+        OSError: the directory is not writable, or the disk is full (the temporary file is removed).
+    """
+    import torch  # noqa: PLC0415
+
+    return atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+_UMASK_LOCK = threading.Lock()
 
 
 def _umask() -> int:
@@ -88,4 +98,4 @@ def _umask() -> int:
     return umask
 
 
-__all__ = ["atomic_write", "file_sha256", "write_json_atomic", "write_safetensors"]
+__all__ = ["atomic_write", "file_sha256", "write_json_atomic", "write_safetensors", "write_torch_atomic"]

@@ -46,10 +46,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
-from ..models.files import atomic_write
+from ..models.files import write_torch_atomic
 from .lora import LORA_TARGETS, apply_lora, check_lora_args, load_factors, lora_factors
 from .train import GradientControl
-
 
 CKPT = "backbone.ckpt.pt"
 TEACHER = "teacher.pt"
@@ -285,10 +284,6 @@ class BackboneRun:
     losses: list = field(default_factory=list)
 
 
-def _save_torch(obj, path: Path) -> None:
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
-
-
 def _batch_rows(num_records: int, batch: int, step: int, seed: int) -> torch.Tensor:
     """The record indices of ``step``: consecutive slices of a per-epoch permutation (a function of seed and step)."""
     start = step * batch
@@ -369,9 +364,10 @@ def train_backbone(model, records: torch.Tensor, teacher: dict, cfg: BackboneCon
                unit="tok", unit_scale=True, disable=not progress)
 
     def save():
-        _save_torch({"key": key, "records": _records_digest(records), "factors": lora_factors(mods),
-                      "adapters": adapters.state_dict(), "opt": opt.state_dict(), "clip_history": {j: c.history for j, c in controls.items()},
-                      "step": step, "log": log, "losses": losses}, ckpt)
+        write_torch_atomic({"key": key, "records": _records_digest(records), "factors": lora_factors(mods),
+                            "adapters": adapters.state_dict(), "opt": opt.state_dict(),
+                            "clip_history": {j: c.history for j, c in controls.items()},
+                            "step": step, "log": log, "losses": losses}, ckpt)
 
     def run_eval():
         if evaluate is None:

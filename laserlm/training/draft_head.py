@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from ..errors import InvalidArgumentError
 from ..models.delta import tensors_sha256
-from ..models.files import atomic_write
+from ..models.files import write_torch_atomic
 from ..speculative.draft_head import CE_WEIGHT, DraftHead, DraftHeadConfig, DraftModel, check_vocab
 from ..runtime.options import is_int
 
@@ -64,7 +64,7 @@ def _cached(path: Path | None, key: dict, make):
     value = make()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: torch.save({"key": key, "value": value}, tmp))
+        write_torch_atomic({"key": key, "value": value}, path)
     return value
 
 
@@ -178,9 +178,8 @@ def train_draft_head(engine, records: torch.Tensor, vocab: int = 4096, epochs: i
             bar.set_postfix(loss=f"{loss.item():.3f}")
         history.append({k: round(v / tot["n"], 5) for k, v in tot.items() if k != "n"} | {"epoch": epoch + 1})
         if ckpt is not None:
-            state = {"settings": settings, "head": head.state_dict(), "opt": opt.state_dict(),
-                     "sched": sched.state_dict(), "epoch": epoch + 1, "history": history}
-            atomic_write(ckpt, lambda tmp: torch.save(state, tmp))
+            write_torch_atomic({"settings": settings, "head": head.state_dict(), "opt": opt.state_dict(),
+                                "sched": sched.state_dict(), "epoch": epoch + 1, "history": history}, ckpt)
         if max_minutes is not None and epoch + 1 < epochs and time.perf_counter() - t0 > 60 * max_minutes:
             finished = False
             break
