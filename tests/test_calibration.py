@@ -12,7 +12,7 @@ import torch
 
 from laserlm.depth.laser_file import FORMAT_VERSION
 from laserlm.errors import CorruptModelError, InvalidArgumentError
-from laserlm.training.losses import binary_focal_loss, focal_loss, kl_distillation
+from laserlm.training.losses import binary_focal_loss, focal_loss, kl_distillation, sampled_tail_kl
 from laserlm.training.thresholds import (binom_cdf, binomial_p_value, calibrate_threshold, exit_decisions,
                                          position_losses)
 
@@ -59,6 +59,85 @@ def test_kl_distillation_matches_direct_sum():
     torch.testing.assert_close(kl_distillation(s, t, reduction="none").double(), (p * (p / q).log()).sum(-1),
                                rtol=1e-5, atol=1e-7)
     assert float(kl_distillation(t, t)) == pytest.approx(0.0, abs=1e-6)
+
+
+def _tail_kl_float64(student: torch.Tensor, teacher: torch.Tensor, k: int) -> torch.Tensor:
+    """``[N]``: KL(teacher || student) over {each row's teacher top-k, the rest}, both over the full vocabulary."""
+    lp, lq = torch.log_softmax(teacher.double(), -1), torch.log_softmax(student.double(), -1)
+    top = lp.topk(k, -1).indices
+    p_k, q_k = lp.gather(1, top).exp(), lq.gather(1, top).exp()
+    p_t, q_t = 1 - p_k.sum(-1), 1 - q_k.sum(-1)
+    return (p_k * (p_k / q_k).log()).sum(-1) + p_t * (p_t / q_t).log()
+
+
+def test_sampled_tail_kl_with_every_other_token_drawn_is_the_float64_tail_kl():
+    from laserlm.training.train import sampled_columns
+
+    g = torch.Generator().manual_seed(3)
+    V, N, k = 300, 6, 5
+    student = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
+    teacher = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
+    t_lp, t_ids = torch.log_softmax(teacher, -1).topk(k, -1)
+    cols, t_pos, u, log_w = sampled_columns(t_ids, V, negatives=V, generator=g)  # all V - U others drawn
+    assert log_w == 0.0 and sorted(cols.tolist()) == list(range(V))
+    s = student[:, cols].clone().requires_grad_(True)
+    got = sampled_tail_kl(s[:, :u], s[:, u:], log_w, t_pos, t_lp, reduction="none")
+    torch.testing.assert_close(got.double(), _tail_kl_float64(student, teacher, k), rtol=1e-5, atol=1e-6)
+    # the gradient is the full tail KL's, on the same columns
+    ref = student.clone().requires_grad_(True)
+    _tail_kl_float64(ref, teacher, k).sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(s.grad.double(), ref.grad[:, cols], rtol=1e-4, atol=1e-6)
+
+
+def test_sampled_columns_draws_distinct_others_with_their_weight():
+    from laserlm.training.train import sampled_columns
+
+    g = torch.Generator().manual_seed(0)
+    t_ids = torch.tensor([[7, 3, 9], [3, 11, 7]])
+    cols, t_pos, u, log_w = sampled_columns(t_ids, 50, negatives=8, generator=g)
+    assert u == 4 and cols[:u].tolist() == [3, 7, 9, 11]
+    assert torch.equal(cols[t_pos], t_ids)
+    neg = cols[u:].tolist()
+    assert len(neg) == 8 == len(set(neg)) and not set(neg) & {3, 7, 9, 11} and all(0 <= x < 50 for x in neg)
+    assert log_w == pytest.approx(math.log(46 / 8))
+
+
+def test_sampled_tail_kl_normaliser_estimate_is_unbiased():
+    """Averaged over draws, the estimated normaliser of the student equals the full one (float64, 4,000 draws)."""
+    from laserlm.training.train import sampled_columns
+
+    g = torch.Generator().manual_seed(5)
+    V = 400
+    s = torch.randn(1, V, generator=g, dtype=torch.float64) * 3
+    t_ids = s.topk(4, -1).indices
+    z = []
+    for _ in range(4000):
+        cols, _, u, log_w = sampled_columns(t_ids, V, negatives=16, generator=g)
+        z.append(float(s[0, cols[:u]].exp().sum() + math.exp(log_w) * s[0, cols[u:]].exp().sum()))
+    assert sum(z) / len(z) == pytest.approx(float(s.exp().sum()), rel=0.02)
+
+
+def test_head_vocab_rule():
+    from laserlm.training.train import HeadTrainConfig, head_vocab
+
+    assert head_vocab(HeadTrainConfig(), 49152) == "full"
+    assert head_vocab(HeadTrainConfig(), 128256) == "sampled"
+    assert head_vocab(HeadTrainConfig(vocab="sampled"), 49152) == "sampled"
+    assert head_vocab(HeadTrainConfig(vocab="full"), 262144) == "full"
+    with pytest.raises(InvalidArgumentError, match="top 64 tokens of 64"):
+        head_vocab(HeadTrainConfig(vocab="sampled", teacher_topk=64), 64)
+    with pytest.raises(InvalidArgumentError, match="exit-head vocabulary must be one of"):
+        HeadTrainConfig(vocab="some").validate()
+
+
+def test_head_vocab_help_states_the_auto_rule(capsys):
+    from laserlm.cli import main
+    from laserlm.training.train import SAMPLED_VOCAB_ABOVE
+
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    assert f"sampled above {SAMPLED_VOCAB_ABOVE:,} tokens" in " ".join(capsys.readouterr().out.split())
 
 
 # -- threshold calibration ---------------------------------------------------------------------------
@@ -192,6 +271,44 @@ def test_training_reduces_held_out_kl(smol, smol_states):
     kl0, kl1 = float(before.kl[20].mean()), float(after.kl[20].mean())
     assert kl1 < 0.7 * kl0, (kl0, kl1)
     assert curve[-1] < curve[0]
+
+
+def test_sampled_head_training_reduces_the_full_vocabulary_kl(smol, smol_states):
+    """The sampled loss (about 2,000 of SmolLM2's 49,152 LM-head rows a step), given three times the steps as its
+    default does, trains a head whose full-vocabulary KL on held-out positions falls as far as the exact loss's."""
+    from laserlm.training.heads import make_exit_heads
+    from laserlm.training.train import HeadTrainConfig, compute_exit_outputs, train_heads
+
+    _, train, held = smol_states
+    kls = {}
+    for vocab in ("full", "sampled"):
+        heads = make_exit_heads(smol.engine, [20], "affine")
+        cfg = HeadTrainConfig(steps=20 if vocab == "full" else 60, batch_tokens=128, vocab=vocab)
+        train_heads(heads, smol.engine.head, train, cfg, progress=False)
+        kls[vocab] = float(compute_exit_outputs(heads, smol.engine.head, held, 30).kl[20].mean())
+    kl0 = float(compute_exit_outputs(None, smol.engine.head, held, 30).kl[20].mean())
+    assert kls["sampled"] < 0.7 * kl0, (kl0, kls)
+    assert kls["sampled"] < 1.05 * kls["full"], (kl0, kls)
+
+
+def test_keep_better_heads_gives_back_the_start_of_a_head_training_made_worse(smol, smol_states):
+    """A head trained (exact loss) keeps its adapter; a head whose adapter was spoiled gets its start back, judged by
+    the exact KL."""
+    from laserlm.training.heads import make_exit_heads
+    from laserlm.training.train import HeadTrainConfig, keep_better_heads, train_heads
+
+    _, train, _ = smol_states
+    trained, spoiled = make_exit_heads(smol.engine, [20], "affine"), make_exit_heads(smol.engine, [20], "affine")
+    start = {"20": {n: v.clone() for n, v in trained["20"].state_dict().items()}}
+    train_heads(trained, smol.engine.head, train, HeadTrainConfig(steps=10, batch_tokens=128, vocab="full"),
+                progress=False)
+    after = trained["20"].proj.weight.clone()
+    with torch.no_grad():
+        spoiled["20"].proj.weight.mul_(-1.0)  # every logit's sign flipped
+    assert keep_better_heads(trained, start, smol.engine.head, train) == []
+    assert torch.equal(trained["20"].proj.weight, after)
+    assert keep_better_heads(spoiled, start, smol.engine.head, train) == [20]
+    assert torch.equal(spoiled["20"].proj.weight, start["20"]["proj.weight"])
 
 
 def test_batched_gate_scalars_match_a_float64_computation(smol, smol_states):

@@ -138,6 +138,32 @@ def test_teacher_forced_route_agreement_equals_regenerating():
     assert labels_of(agree, 0.5).tolist() == [0, 0]  # at the target level: half the positions suffice
 
 
+def test_route_agreement_runs_shared_leading_layers_once():
+    """Routes that start with the same layers share them: every layer of the deepest shared prefix runs once per prompt,
+    and each route runs only its layers after its first dropped one. The labels equal regenerating on each route (a
+    cap route through an untrained exit head included)."""
+    model = tiny(2)
+    eng = Engine(model, max_seq_len=64)
+    heads = {4: ExitHead(eng.adapter, "none")}
+    routes = [Route((0, 1, 2)), Route((0, 1, 2, 3), 4), Route((0, 1, 2, 3, 6, 7)), Route((0, 1, 4, 5, 6, 7)),
+              Route(tuple(range(L)))]
+    prompt = torch.randint(0, 96, (7,), generator=torch.Generator().manual_seed(9))
+    cont = torch.tensor(greedy_ids(eng, RoutedDepth(eng, forced(64, routes, 4), heads=heads), prompt, 5))
+    calls = [0] * L
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: calls.__setitem__(i, calls[i] + 1))
+             for i, layer in enumerate(eng.adapter.layers)]
+    try:
+        agree, _ = route_agreement(eng, heads, routes, prompt, cont)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls == [1, 1, 1, 1, 1, 1, 2, 2]
+    for r in range(len(routes) - 1):
+        regenerated = greedy_ids(eng, RoutedDepth(eng, forced(64, routes, r), heads=heads), prompt, 5)
+        assert bool(agree[r, 0]) == (regenerated[0] == int(cont[0]))
+        assert bool(agree[r].all()) == (regenerated == cont.tolist())
+
+
 def test_router_learns_separable_routes():
     """Two clusters of prompts with different routes: the focal loss falls and held-out prompts of each cluster get
     their cluster's route; a router trained on shuffled labels cannot."""

@@ -11,7 +11,9 @@ from ..errors import InvalidArgumentError
 
 EPILOG = """\
 defaults and sources:
-  head stage     Adam LR 1e-3, 250 steps of 128 positions (DESIGN.md tuned-lens anchor; Belrose et al. 2023)
+  head stage     Adam LR 1e-3, 250 steps of 128 positions (DESIGN.md tuned-lens anchor; Belrose et al. 2023);
+                 above 65,536 tokens of vocabulary, 750 steps of a sampled KL (the teacher's top 32 + tail, 1,024
+                 sampled tokens a step; sampled softmax, Jean et al. 2015): --head-vocab
   gate stage     AdamW LR 1e-2, 400 steps, focal loss gamma 2 (Lin et al. 2017; seed 004)
   joint stage    off by default; LR 3e-5 with linear warm-up, clip 1.0, exit-threshold decay 0.95/epoch (seed 004)
   min depth      a quarter of the layers (seed); groups of 5 layers (seed: micro-layer groups)
@@ -118,12 +120,21 @@ def add_parser(subparsers) -> None:
                    help="the Residual Bridge's veto (seed 000): a token may exit only if its residual stream changed "
                         "by at most C (relative) across the group, else the next group runs first; 'auto' picks C "
                         "on the gate split, and the gate threshold is certified with the veto on (default: off)")
-    p.add_argument("--head-steps", type=_positive(int, "--head-steps", True), default=250,
-                   help="exit-head training steps (default: %(default)s)")
+    p.add_argument("--head-steps", type=_positive(int, "--head-steps", True), default=None,
+                   help="exit-head training steps (default: 250 with the full loss, 750 with the sampled one; see "
+                        "--head-vocab)")
     p.add_argument("--head-lr", type=_positive(float, "--head-lr"), default=1e-3,
                    help="exit-head Adam learning rate (default: %(default)s; backbone frozen)")
     p.add_argument("--batch-tokens", type=_positive(int, "--batch-tokens"), default=128,
                    help="positions per head-training step (default: %(default)s)")
+    p.add_argument("--head-vocab", choices=["auto", "full", "sampled"], default="auto",
+                   help="exit-head loss: full (KL over the whole vocabulary each step), sampled (the teacher's top-k, "
+                        "a tail bucket and sampled other tokens: a few thousand LM-head rows a step) or auto "
+                        "(sampled above 65,536 tokens; default: %(default)s)")
+    p.add_argument("--head-topk", type=_positive(int, "--head-topk"), default=32,
+                   help="sampled exit-head loss: the teacher's tokens kept per position (default: %(default)s)")
+    p.add_argument("--head-negatives", type=_positive(int, "--head-negatives"), default=1024,
+                   help="sampled exit-head loss: other tokens drawn per step (default: %(default)s)")
     p.add_argument("--gate-steps", type=_positive(int, "--gate-steps", True), default=400,
                    help="gate training steps per exit point (default: %(default)s)")
     p.add_argument("--joint-epochs", type=_positive(int, "--joint-epochs", True), default=0,
@@ -366,7 +377,8 @@ def config_from_args(args):
         gate_features=args.gate_features, bridge=args.bridge, patience=args.patience, compensation=args.compensation,
         heads=HeadTrainConfig(steps=args.head_steps, batch_tokens=args.batch_tokens, lr=args.head_lr,
                               grad_clip=args.grad_clip, adaptive_clip=args.adaptive_clip,
-                              cross_layer_norm=args.cross_layer_norm, seed=args.seed),
+                              cross_layer_norm=args.cross_layer_norm, seed=args.seed, vocab=args.head_vocab,
+                              teacher_topk=args.head_topk, negatives=args.head_negatives),
         gates=GateTrainConfig(steps=args.gate_steps, seed=args.seed),
         predictor=not args.no_predictor,
         predictor_train=PredictorTrainConfig(steps=args.predictor_steps, seed=args.seed),

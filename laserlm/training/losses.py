@@ -7,6 +7,10 @@
 - :func:`kl_distillation`: ``KL(p_full || p_exit)`` of next-token distributions, the tuned-lens
   objective (Belrose et al., "Eliciting Latent Predictions from Transformers with the Tuned Lens",
   2023) and the usual self-distillation loss of early-exit heads (LayerSkip, EE-LLM).
+- :func:`sampled_tail_kl`: the same KL on a large vocabulary at the cost of a few thousand LM-head rows: the
+  teacher's top-k plus its tail mass, the student's normaliser estimated from the batch's teacher tokens and
+  uniformly sampled other tokens (sampled softmax with an importance weight: Jean et al., "On Using Very Large
+  Target Vocabulary for Neural Machine Translation", ACL 2015).
 """
 
 from __future__ import annotations
@@ -67,6 +71,41 @@ def kl_distillation(student_logits: torch.Tensor, teacher_logits: torch.Tensor,
     t = F.log_softmax(teacher_logits.float() / temperature, dim=-1)
     kl = (t.exp() * (t - s)).sum(-1) * temperature ** 2
     return _reduce(kl, reduction)
+
+
+def sampled_tail_kl(union_logits: torch.Tensor, negative_logits: torch.Tensor, negative_log_weight: float,
+                    t_pos: torch.Tensor, t_lp: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``KL(p_full || p_exit)`` over the partition {teacher top-k, everything else}, the student's normaliser estimated.
+
+    The student's logits are known only on ``U`` columns (the union of the batch's teacher top-k ids) and on ``R``
+    negatives drawn uniformly from the ``V - U`` other tokens; each negative stands for ``(V - U) / R`` tokens, so
+    ``Z = sum_U exp(s) + (V - U) / R * sum_R exp(s)`` is an unbiased estimate of the full normaliser. With every other
+    token drawn once (``R = V - U``, weight 1) the loss is exactly the tail KL over the full vocabulary; with the
+    teacher's whole vocabulary as its top-k it is the full KL. Mass the student moves to a token outside the teacher's
+    top-k lands in the tail bucket and is paid for, as in :func:`laserlm.training.backbone.tail_kl`.
+
+    Args:
+        union_logits: ``[N, U]`` student logits on the union columns.
+        negative_logits: ``[N, R]`` student logits on the sampled negatives (``R`` may be 0).
+        negative_log_weight: ``log((V - U) / R)``, nats (0 when every other token is drawn).
+        t_pos: ``[N, k]`` int64, the column in ``U`` of each of the row's teacher top-k tokens.
+        t_lp: ``[N, k]`` the teacher's full-vocabulary log-probabilities of those tokens.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"`` (``[N]``).
+
+    Returns the loss in nats: ``sum_k p_k (log p_k - log q_k) + p_tail (log p_tail - log q_tail)``.
+    """
+    s_u = union_logits.float()
+    rest = negative_logits.float() + negative_log_weight
+    log_z = torch.logsumexp(torch.cat([s_u, rest], -1), -1)                          # [N]
+    logq = s_u.gather(1, t_pos) - log_z.unsqueeze(-1)                                # [N, k]
+    others = s_u.scatter(1, t_pos, float("-inf"))                                    # the row's top-k removed
+    logq_tail = torch.logsumexp(torch.cat([others, rest], -1), -1) - log_z           # [N]
+    logp = t_lp.float()
+    p_tail = (1 - logp.exp().sum(-1)).clamp_min(0)
+    tiny = torch.finfo(torch.float32).tiny
+    head = (logp.exp() * (logp - logq)).sum(-1)
+    tail = torch.where(p_tail > 0, p_tail * (p_tail.clamp_min(tiny).log() - logq_tail), torch.zeros_like(p_tail))
+    return _reduce(head + tail, reduction)
 
 
 def _reduce(loss: torch.Tensor, reduction: str) -> torch.Tensor:

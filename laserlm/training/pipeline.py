@@ -47,8 +47,8 @@ from .decoding import PropagateDecoding, chunk_sequences, grid_thresholds
 from .thresholds import (SHALLOW_MIN_EXITS, SHALLOW_SHARE, calibrate_threshold,  # noqa: F401  (re-exported)
                          candidate_thresholds, exit_decisions, fixed_sequence_test, position_losses, resolve_target,
                          shallow_exit_bias)
-from .train import (ExitOutputs, HeadTrainConfig, JointTrainConfig, compute_exit_outputs, joint_finetune,
-                    train_heads)
+from .train import (ExitOutputs, HeadTrainConfig, JointTrainConfig, compute_exit_outputs, head_loss_settings,
+                    joint_finetune, train_heads)
 
 
 @dataclass
@@ -236,14 +236,17 @@ def _new_heads(ctx):
 
 def _heads(ctx):
     heads = ctx["heads"] = _new_heads(ctx)
-    ctx["head_curve"] = train_heads(heads, ctx["teacher"], ctx["train"], ctx["cfg"].heads, ctx["progress"])
-    return {"heads": heads.state_dict(), "curve": ctx["head_curve"]}
+    ctx["head_report"] = {}
+    ctx["head_curve"] = train_heads(heads, ctx["teacher"], ctx["train"], ctx["cfg"].heads, ctx["progress"],
+                                    report=ctx["head_report"])
+    return {"heads": heads.state_dict(), "curve": ctx["head_curve"], "report": ctx["head_report"]}
 
 
 def _load_heads(ctx, saved):
     ctx["heads"] = _new_heads(ctx)
     ctx["heads"].load_state_dict(saved["heads"])
     ctx["head_curve"] = list(saved.get("curve", []))
+    ctx["head_report"] = dict(saved.get("report", {}))
 
 
 def _new_gates(ctx):
@@ -684,6 +687,8 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
                     + ([w] if (w := (ctx.get("predictor_report") or {}).get("held_out", {}).get("warning")) else []),
         "text": ctx["text_report"],
         "head_kl_first_last": [head_curve[0], head_curve[-1]] if head_curve else None,
+        "head_loss": (ctx.get("head_report")
+                      or head_loss_settings(cfg.heads, int(engine.adapter.lm_head.weight.shape[0]))),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "settings": cfg.to_dict(),
     }
@@ -850,6 +855,13 @@ def format_summary(s: dict) -> str:
                      f"  {r['kl_untrained']:>9.3f} -> {r['kl_trained']:<6.3f}  {r['gate_auroc'] if r['gate_auroc'] is not None else float('nan'):>10.3f}"
                      f"  {r['exit_fraction']:>11.1%}")
     c, h = s["calibration"], s["held_out"]
+    if s.get("head_loss"):
+        hl = s["head_loss"]
+        lines.append(f"  exit heads: {hl['steps']} steps of the {hl['loss']} KL"
+                     + (f" (teacher top {hl['teacher_topk']} + tail, {hl['negatives']} sampled tokens a step)"
+                        if hl["loss"] == "sampled" else "")
+                     + (f"; exit points {hl['reverted']} kept their starting adapter (training did not lower their"
+                        f" exact KL)" if hl.get("reverted") else ""))
     lines.append(f"  guarantee: {c['guarantee']}")
     comp = (s.get("compensation") or {}).get("threshold")
     lines.append(f"  certified with: patience {s['settings'].get('patience', 0)}, compensation veto "

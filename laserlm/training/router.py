@@ -90,15 +90,39 @@ def route_agreement(engine, heads: dict, routes: list[Route], prompt_ids: torch.
     h0, st = engine.begin(seq, use_cache=False)
     h1 = engine.run_layers(0, ROUTER_LAYER, h0, st)
     L = engine.num_layers
+    # Routes share their leading run of layers (a cap route at e is layers 0..e-1; a skip route runs 0..f-1 before
+    # its first dropped layer f): one pass through the layers serves every such prefix, so a prompt costs the
+    # deepest prefix plus each skip route's layers after its first drop, not the sum of all routes.
+    prefix = {ROUTER_LAYER: h1}  # j -> states after layers 0..j-1
+
+    def after(j: int) -> torch.Tensor:
+        have = max(i for i in prefix if i <= j)
+        if have < j:
+            prefix[j] = engine.run_layers(have, j, prefix[have], st)
+        return prefix[j]
+
+    for j in sorted({_leading_run(r.kept) for r in routes if len(r.kept) < L}):
+        after(max(j, ROUTER_LAYER))
     rows = []
     for r in routes:
         if len(r.kept) == L:
             rows.append(torch.ones(m, dtype=torch.bool))
             continue
-        h = run_after_router_layer(engine, r.kept, h1, st)
+        j = max(_leading_run(r.kept), ROUTER_LAYER)
+        h = run_after_router_layer(engine, tuple(i for i in r.kept if i >= j), after(j), st)
         head = engine.head if r.exit is None else heads[r.exit]
         rows.append(head(h[0, p - 1: p - 1 + m]).argmax(-1) == continuation)
     return torch.stack(rows), h1[0, :p].float()
+
+
+def _leading_run(kept) -> int:
+    """``j`` such that ``kept`` starts with layers ``0..j-1`` (0 when it does not start at layer 0)."""
+    j = 0
+    for i in kept:
+        if i != j:
+            break
+        j += 1
+    return j
 
 
 @dataclass

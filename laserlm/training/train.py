@@ -9,6 +9,9 @@ Defaults and their sources:
   The seed's 3e-5 is for fine-tuning the backbone jointly; with the backbone frozen and
   zero-initialised adapters it barely moves them in 250 steps, so the head stage uses the tuned-lens
   LR (Belrose et al. 2023 train their lenses at 1e-3 as well).
+- on a vocabulary above 65,536 tokens the head stage trains on a sampled KL (:func:`.losses.sampled_tail_kl`)
+  for 750 steps: a step reads a few thousand LM-head rows instead of all of them, and three times the steps
+  match the full loss's heads (benchmarks/RESULTS.md, "Exit heads on a large vocabulary").
 - joint stage LR ``3e-5`` with linear warm-up, gradient clipping at 1.0, exit-threshold decay 0.95 per
   epoch: seed 004.
 - two further options from the seed's guidance, off by default because they showed no gain on the
@@ -32,14 +35,26 @@ from ..errors import InvalidArgumentError
 from .collect import ExitStates
 from .gates import gate_inputs
 from .heads import gate_scalars_batch
-from .losses import binary_focal_loss, kl_distillation
+from .losses import binary_focal_loss, kl_distillation, sampled_tail_kl
+
+
+HEAD_VOCAB = ("auto", "full", "sampled")
+# Above this vocabulary size ``vocab="auto"`` trains exit heads on the sampled loss. A full-vocabulary step on
+# Llama-3.2-1B (128,256 x 2,048 head, 16 exit points, 128 positions) is about 2 TFLOP; SmolLM2 (49,152) keeps
+# the exact loss its measured heads were trained with.
+SAMPLED_VOCAB_ABOVE = 65536
+HEAD_STEPS = {"full": 250, "sampled": 750}  # the head stage's default steps per loss (HeadTrainConfig.steps None)
 
 
 @dataclass
 class HeadTrainConfig:
-    """Head stage (stage 1). ``lr`` 1e-3 / 250 steps: DESIGN.md tuned-lens anchor; clip 1.0: seed 004."""
+    """Head stage (stage 1). ``lr`` 1e-3 / 250 steps: DESIGN.md tuned-lens anchor; clip 1.0: seed 004.
 
-    steps: int = 250
+    ``steps`` None means :data:`HEAD_STEPS` of the loss in use (the sampled loss's steps are far cheaper and each
+    learns less: see the module docstring).
+    """
+
+    steps: int | None = None
     batch_tokens: int = 128  # 256 ran several times slower per position on the shared 2-core machine
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -49,10 +64,18 @@ class HeadTrainConfig:
     cross_layer_norm: bool = False   # equal gradient norm per exit point (gradient equilibrium)
     seed: int = 0
     bf16_head: bool = True  # LM-head matmuls of training steps in bfloat16; evaluation stays float32
+    vocab: str = "auto"     # full | sampled | auto (sampled above SAMPLED_VOCAB_ABOVE tokens): see sampled_tail_kl
+    teacher_topk: int = 32  # sampled: the teacher's top-k tokens kept per position (the rest is one tail bucket)
+    negatives: int = 1024   # sampled: other tokens drawn per step to estimate the student's normaliser
 
     def validate(self) -> HeadTrainConfig:
-        _check_positive("steps", self.steps, allow_zero=True)
+        if self.steps is not None:
+            _check_positive("steps", self.steps, allow_zero=True)
         _check_positive("batch_tokens", self.batch_tokens)
+        if self.vocab not in HEAD_VOCAB:
+            raise InvalidArgumentError(f"exit-head vocabulary must be one of {', '.join(HEAD_VOCAB)}, got {self.vocab!r}")
+        _check_positive("teacher_topk", self.teacher_topk)
+        _check_positive("negatives", self.negatives)
         _check_positive("lr", self.lr)
         _check_positive("grad_clip", self.grad_clip)
         if self.weight_decay < 0 or self.warmup_steps < 0:
@@ -165,21 +188,33 @@ def _optimizer_step(loss: torch.Tensor, opt, sched, control: GradientControl) ->
     return float(loss.detach())
 
 
-class Bf16Logits:
-    """Final norm + LM head (+ soft cap) with a bfloat16 copy of the LM-head weight, made once.
+class HeadLogits:
+    """Final norm + LM head (+ soft cap) with the LM-head weight in ``dtype``, or only some of its rows.
 
     The LM head (``V x d`` = 49152 x 576 on SmolLM2) dominates a head-training step; in bfloat16 the
-    matmuls run ~2x faster here (AVX512-BF16). ``__call__(hidden [.., d]) -> [.., V]`` float32.
+    matmuls run ~2x faster here (AVX512-BF16), so training uses a bfloat16 copy made once.
+    ``__call__(hidden [.., d]) -> [.., V']`` float32, ``V'`` = V or the number of rows kept by :meth:`rows`.
     """
 
-    def __init__(self, model_adapter):
+    def __init__(self, model_adapter, dtype: torch.dtype = torch.bfloat16):
         self.base = model_adapter
-        self.weight = model_adapter.lm_head.weight.detach().to(torch.bfloat16)
+        self.weight = model_adapter.lm_head.weight.detach().to(dtype)
         bias = getattr(model_adapter.lm_head, "bias", None)
         self.bias = bias.detach().float() if bias is not None else None
 
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    def rows(self, ids: torch.Tensor) -> HeadLogits:
+        """The same head restricted to the vocabulary rows ``ids [V']`` (int64), in that order."""
+        sub = object.__new__(HeadLogits)
+        sub.base, sub.weight = self.base, self.weight[ids]
+        sub.bias = self.bias[ids] if self.bias is not None else None
+        return sub
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self.base.norm(hidden).to(torch.bfloat16)
+        x = self.base.norm(hidden).to(self.weight.dtype)
         out = (x @ self.weight.T).float()
         if self.bias is not None:
             out = out + self.bias
@@ -212,45 +247,168 @@ def bf16_matmul_is_faster() -> bool:
     return _BF16_FASTER
 
 
+def head_vocab(cfg: HeadTrainConfig, vocab_size: int) -> str:
+    """``"full"`` or ``"sampled"``: the exit-head loss ``cfg`` asks for on a vocabulary of ``vocab_size`` tokens.
+
+    Raises:
+        InvalidArgumentError: the sampled loss asked for with a top-k that leaves no tail (``teacher_topk >= V``).
+    """
+    kind = cfg.vocab if cfg.vocab != "auto" else ("sampled" if vocab_size > SAMPLED_VOCAB_ABOVE else "full")
+    if kind == "sampled" and cfg.teacher_topk >= vocab_size:
+        raise InvalidArgumentError(f"the sampled exit-head loss keeps the teacher's top {cfg.teacher_topk} tokens of "
+                                   f"{vocab_size}: use fewer, or --head-vocab full")
+    return kind
+
+
+def head_loss_settings(cfg: HeadTrainConfig, vocab_size: int) -> dict:
+    """What the head stage trains with on a ``vocab_size`` vocabulary: ``{"loss", "steps"[, "teacher_topk",
+    "negatives"]}`` (for run summaries)."""
+    kind = head_vocab(cfg, vocab_size)
+    out = {"loss": kind, "steps": cfg.steps if cfg.steps is not None else HEAD_STEPS[kind]}
+    if kind == "sampled":
+        out.update(teacher_topk=cfg.teacher_topk, negatives=cfg.negatives)
+    return out
+
+
+@torch.no_grad()
+def teacher_topk_of(logits_fn, final_hidden: torch.Tensor, k: int, batch_tokens: int = 512,
+                    progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full model's top-``k`` next tokens and their full-vocabulary log-probabilities at every position.
+
+    Args:
+        logits_fn: final norm + LM head, ``[n, d] -> [n, V]``.
+        final_hidden: ``[N, d]`` last-layer hidden states.
+
+    Returns ``(ids [N, k] int64, logprobs [N, k] float32)``, ids by descending probability.
+    """
+    ids, lps = [], []
+    for s in tqdm(range(0, final_hidden.shape[0], batch_tokens), desc="teacher top-k", unit="batch",
+                  disable=not progress):
+        lp, ix = torch.log_softmax(logits_fn(final_hidden[s:s + batch_tokens]).float(), -1).topk(k, dim=-1)
+        ids.append(ix)
+        lps.append(lp)
+    return torch.cat(ids), torch.cat(lps)
+
+
+def sampled_columns(t_ids: torch.Tensor, vocab_size: int, negatives: int,
+                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """The LM-head rows one sampled-loss step evaluates (:func:`.losses.sampled_tail_kl`).
+
+    Args:
+        t_ids: ``[n, k]`` the batch's teacher top-k ids.
+        negatives: how many of the other ``V - U`` tokens to draw (uniformly, without replacement).
+
+    Returns ``(cols [U + R], t_pos [n, k], U, log((V - U) / R))``: the union ``U`` of the teacher ids then the ``R``
+    negatives, each teacher id's column, and the negatives' log importance weight (0 when all others are drawn).
+    """
+    union, t_pos = torch.unique(t_ids, return_inverse=True)
+    u = union.numel()
+    rest = vocab_size - u
+    r = min(negatives, rest)
+    if r == 0:
+        return union, t_pos, u, 0.0
+    taken = torch.zeros(vocab_size, dtype=torch.bool)
+    taken[union] = True
+    others = torch.nonzero(~taken).squeeze(-1)                                   # [V - U]
+    neg = others[torch.randperm(rest, generator=generator)[:r]]
+    return torch.cat([union, neg]), t_pos, u, math.log(rest / r)
+
+
+@torch.no_grad()
+def keep_better_heads(heads: nn.ModuleDict, start: dict, teacher_fn, data: ExitStates,
+                      positions: int = 256) -> list[int]:
+    """Put back the starting adapter of every exit head whose exact (full-vocabulary) KL on the first ``positions``
+    positions of ``data`` is not below its starting adapter's; returns those exit points.
+
+    The sampled loss is an estimate: on a flat teacher distribution (random weights; most of the mass in the tail)
+    its noise can move an adapter away from a better start, which this check undoes.
+
+    Args:
+        start: ``str(exit_point) -> state_dict`` of the heads before training.
+        teacher_fn: the full model's head, ``[n, d] -> [n, V]``.
+    """
+    idx = slice(0, min(positions, len(data)))
+    teacher = torch.log_softmax(teacher_fn(data.final_hidden[idx]).float(), -1)
+    reverted = []
+    for e in data.exit_points:
+        head, h = heads[str(e)], data.hidden[e][idx]
+        trained = {k: v.clone() for k, v in head.state_dict().items()}
+        kl_trained = float(kl_distillation(head(h), teacher, reduction="mean"))
+        head.load_state_dict(start[str(e)])
+        if kl_trained < float(kl_distillation(head(h), teacher, reduction="mean")):
+            head.load_state_dict(trained)
+        else:
+            reverted.append(e)
+    return reverted
+
+
 def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTrainConfig,
-                progress: bool = True) -> list[float]:
+                progress: bool = True, report: dict | None = None) -> list[float]:
     """Train every exit head's adapter by ``KL(p_full || p_exit)`` on ``data``; returns the loss curve.
+
+    On a large vocabulary (``cfg.vocab``, :func:`head_vocab`) each step evaluates only the LM-head rows of the batch's
+    teacher top-k and ``cfg.negatives`` sampled others (:func:`.losses.sampled_tail_kl`): on Llama-3.2-1B's 128k
+    vocabulary that is about 1/20 of the rows. The loss it reports is that estimate; evaluation
+    (:func:`compute_exit_outputs`) and certification always use the full vocabulary, and a head whose exact KL
+    ends no lower than where it started gets its starting adapter back (:func:`keep_better_heads`).
 
     Args:
         heads: ``str(exit_point) -> ExitHead`` (see :func:`.heads.make_exit_heads`).
         teacher_fn: the full model's head (``Engine.head``), applied to ``data.final_hidden``; the
             teacher distribution of a batch is computed once, without gradient, for all exit points.
         data: collected states (training split).
+        report: filled with :func:`head_loss_settings` and ``"reverted"`` (exit points given back their start).
+
+    Raises:
+        InvalidArgumentError: bad settings (:meth:`HeadTrainConfig.validate`, :func:`head_vocab`).
     """
     cfg.validate()
     params = [p for p in heads.parameters() if p.requires_grad]
-    if cfg.steps == 0 or not params:
+    base = heads[str(data.exit_points[0])]._base
+    plan = head_loss_settings(cfg, base.lm_head.weight.shape[0])
+    sampled, steps = plan["loss"] == "sampled", plan["steps"]
+    if report is not None:
+        report.update(plan, reverted=[])
+    if steps == 0 or not params:
         return []
     g = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps))
     n = len(data)
     losses = []
-    fast = None
-    if cfg.bf16_head and bf16_matmul_is_faster():
-        first = heads[str(data.exit_points[0])]
-        fast = Bf16Logits(first._base)
+    fast = HeadLogits(base) if cfg.bf16_head and bf16_matmul_is_faster() else None
+    if fast is not None:
         teacher_fn = fast
+    if sampled:
+        start = {str(e): {k: v.clone() for k, v in heads[str(e)].state_dict().items()} for e in data.exit_points}
+        full = fast if fast is not None else HeadLogits(base, base.lm_head.weight.dtype)
+        t_ids, t_lp = teacher_topk_of(teacher_fn, data.final_hidden, cfg.teacher_topk, progress=progress)
     control = GradientControl([[p for p in heads[str(e)].parameters() if p.requires_grad] for e in data.exit_points],
                               cfg.grad_clip, cfg.adaptive_clip, cfg.cross_layer_norm)
-    bar = tqdm(range(cfg.steps), desc="train exit heads", unit="step", disable=not progress)
+    bar = tqdm(range(steps), desc="train exit heads", unit="step", disable=not progress)
     for _ in bar:
         idx = torch.randint(0, n, (min(cfg.batch_tokens, n),), generator=g)
-        with torch.no_grad():
-            teacher = teacher_fn(data.final_hidden[idx]).float()
         loss = 0.0
-        for e in data.exit_points:
-            head, h = heads[str(e)], data.hidden[e][idx]
-            student = fast(head.adapt(h)) if fast is not None else head(h)
-            loss = loss + kl_distillation(student, teacher)
+        if sampled:
+            cols, t_pos, u, log_w = sampled_columns(t_ids[idx], full.vocab_size, cfg.negatives, g)
+            part = full.rows(cols)
+            for e in data.exit_points:
+                logits = part(heads[str(e)].adapt(data.hidden[e][idx]))
+                loss = loss + sampled_tail_kl(logits[:, :u], logits[:, u:], log_w, t_pos, t_lp[idx])
+        else:
+            with torch.no_grad():
+                teacher = teacher_fn(data.final_hidden[idx]).float()
+            for e in data.exit_points:
+                head, h = heads[str(e)], data.hidden[e][idx]
+                student = fast(head.adapt(h)) if fast is not None else head(h)
+                loss = loss + kl_distillation(student, teacher)
         loss = loss / len(data.exit_points)
         losses.append(_optimizer_step(loss, opt, sched, control))
         bar.set_postfix(kl=f"{losses[-1]:.3f}")
+    if sampled:
+        reverted = keep_better_heads(heads, start, teacher_fn, data)
+        if report is not None:
+            report["reverted"] = reverted
     return losses
 
 
