@@ -94,7 +94,7 @@ def main():
     ap.add_argument("--gate-tokens", type=int, default=2048)
     ap.add_argument("--calib-tokens", type=int, default=4096)
     ap.add_argument("--eval-tokens", type=int, default=4096)
-    ap.add_argument("--head-steps", type=int, default=250)
+    ap.add_argument("--head-steps", type=int, default=None)
     ap.add_argument("--joint-epochs", type=int, default=3)
     ap.add_argument("--joint-steps", type=int, default=40, help="joint steps per epoch")
     ap.add_argument("--only", default=None, help="comma-separated variant name prefixes to run")

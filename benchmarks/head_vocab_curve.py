@@ -58,7 +58,7 @@ def main() -> None:
         curve = train_heads(heads, lm.engine.head, train, cfg, progress=False)
         secs = time.perf_counter() - t0
         out = compute_exit_outputs(heads, lm.engine.head, held, L)
-        rows.append({"setting": setting, "steps": cfg.steps, "train_s": round(secs, 1), "loss_first_last": [curve[0], curve[-1]],
+        rows.append({"setting": setting, "steps": cfg.steps, "train_s": round(secs, 1), "loss_first_last": [curve[0], curve[-1]] if curve else None,
                      "kl": {e: float(out.kl[e].mean()) for e in exits},
                      "agreement": {e: float(out.agree[e].float().mean()) for e in exits}})
         print(json.dumps(rows[-1]), flush=True)
@@ -66,7 +66,7 @@ def main() -> None:
         r["kl_mean"] = sum(r["kl"].values()) / len(exits)
         r["agreement_mean"] = sum(r["agreement"].values()) / len(exits)
     res = {"model": a.model, "vocab": int(lm.engine.adapter.lm_head.weight.shape[0]), "exits": exits,
-           "train_positions": len(train), "held_positions": len(held), "steps": a.steps, "threads": a.threads,
+           "train_positions": len(train), "held_positions": len(held), "default_steps": a.steps, "threads": a.threads,
            "collect_s": round(collect_s, 1), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

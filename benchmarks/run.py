@@ -75,6 +75,10 @@ SCENARIOS = {
                                                   "--loads", "light,heavy,churn"],
                          "the paged pool against per-request allocation under churn: step P50/P99, peak RSS",
                          needs=["data"]),
+    "head-vocab": Scenario("head_vocab_curve.py", ["-m", "gemma3-270m", "--settings",
+                                                   "sampled:32:1024@250,sampled:32:1024@750,full@250"],
+                           "exit heads: the sampled tail KL against the full-vocabulary KL (time, held-out KL, "
+                           "agreement)", needs=["data"]),
     "load": Scenario("bench_load.py", ["--models", "smollm2-135m", "gemma3-270m"],
                      "load time and peak RSS, cold and warm"),
 }

@@ -90,6 +90,34 @@ def test_sampled_tail_kl_with_every_other_token_drawn_is_the_float64_tail_kl():
     torch.testing.assert_close(s.grad.double(), ref.grad[:, cols], rtol=1e-4, atol=1e-6)
 
 
+def test_sampled_tail_kl_weights_each_negative():
+    """Every other token drawn twice at weight 1/2 (log weight -log 2) is the exact tail KL again: the importance
+    weight enters with the right sign and size. A row whose top-k is every column has no tail and a finite gradient."""
+    g = torch.Generator().manual_seed(4)
+    V, N, k = 120, 5, 4
+    student = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
+    teacher = torch.randn(N, V, generator=g, dtype=torch.float64) * 2
+    t_lp, t_ids = torch.log_softmax(teacher, -1).topk(k, -1)
+    union, t_pos = torch.unique(t_ids, return_inverse=True)
+    taken = torch.zeros(V, dtype=torch.bool)
+    taken[union] = True
+    others = torch.nonzero(~taken).squeeze(-1)
+    neg = torch.cat([others, others])
+    got = sampled_tail_kl(student[:, union], student[:, neg], -math.log(2), t_pos, t_lp, reduction="none")
+    torch.testing.assert_close(got.double(), _tail_kl_float64(student, teacher, k), rtol=1e-5, atol=1e-6)
+    wrong = sampled_tail_kl(student[:, union], student[:, neg], math.log(2), t_pos, t_lp, reduction="none")
+    assert not torch.allclose(wrong.double(), _tail_kl_float64(student, teacher, k), rtol=1e-3)
+    # no tail: a 3-token vocabulary, all of it the teacher's top-k
+    s3 = torch.randn(2, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    lp3, ids3 = torch.log_softmax(torch.randn(2, 3, generator=g, dtype=torch.float64), -1).topk(3, -1)
+    loss = sampled_tail_kl(s3, s3[:, :0], 0.0, ids3, lp3)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(s3.grad).all()
+    lq3 = torch.log_softmax(s3.detach(), -1)
+    exact = (lp3.exp() * (lp3 - lq3.gather(1, ids3))).sum(-1).mean()
+    assert float(loss) == pytest.approx(float(exact), rel=1e-5)
+
+
 def test_sampled_columns_draws_distinct_others_with_their_weight():
     from laserlm.training.train import sampled_columns
 
@@ -284,7 +312,12 @@ def test_sampled_head_training_reduces_the_full_vocabulary_kl(smol, smol_states)
     for vocab in ("full", "sampled"):
         heads = make_exit_heads(smol.engine, [20], "affine")
         cfg = HeadTrainConfig(steps=20 if vocab == "full" else 60, batch_tokens=128, vocab=vocab)
-        train_heads(heads, smol.engine.head, train, cfg, progress=False)
+        report = {}
+        train_heads(heads, smol.engine.head, train, cfg, progress=False, report=report)
+        assert report["loss"] == vocab and report["steps"] == cfg.steps and report["reverted"] == []
+        if vocab == "sampled":  # the exact check ran, on held-back positions, and the head improved there
+            assert report["teacher_topk"] == 32 and report["negatives"] == 1024
+            assert report["exact_kl_trained"]["20"] < report["exact_kl_start"]["20"]
         kls[vocab] = float(compute_exit_outputs(heads, smol.engine.head, held, 30).kl[20].mean())
     kl0 = float(compute_exit_outputs(None, smol.engine.head, held, 30).kl[20].mean())
     assert kls["sampled"] < 0.7 * kl0, (kl0, kls)
@@ -539,6 +572,12 @@ def test_calibrate_pipeline_tiny_model_resume_and_joint(smol, tmp_path):
     assert s["exit_points"] == [2, 4, 6] and len(s["per_exit"]) == 3
     assert sum(r["exit_fraction"] for r in s["per_exit"]) + s["held_out"]["full_depth_fraction"] == pytest.approx(1)
     assert "exit" in format_summary(s)
+    assert s["head_loss"] == {"loss": "full", "steps": 5, "reverted": []}
+    assert "exit heads: 5 steps of the full KL" in format_summary(s)
+    sampled = {"loss": "sampled", "steps": 750, "teacher_topk": 32, "negatives": 1024, "reverted": [4]}
+    text = format_summary({**s, "head_loss": sampled})
+    assert "750 steps of the sampled KL (teacher top 32 + tail, 1024 sampled tokens a step)" in text
+    assert "exit points [4] kept their starting adapter" in text
     art = load_laser_file(out, lm.engine)
     assert set(art.heads) == {2, 4, 6} and art.router is not None
     # seed 004's router: routes that skip middle layers besides the caps, certified, and runnable as mode routed

@@ -80,9 +80,9 @@ def sampled_tail_kl(union_logits: torch.Tensor, negative_logits: torch.Tensor, n
     The student's logits are known only on ``U`` columns (the union of the batch's teacher top-k ids) and on ``R``
     negatives drawn uniformly from the ``V - U`` other tokens; each negative stands for ``(V - U) / R`` tokens, so
     ``Z = sum_U exp(s) + (V - U) / R * sum_R exp(s)`` is an unbiased estimate of the full normaliser. With every other
-    token drawn once (``R = V - U``, weight 1) the loss is exactly the tail KL over the full vocabulary; with the
-    teacher's whole vocabulary as its top-k it is the full KL. Mass the student moves to a token outside the teacher's
-    top-k lands in the tail bucket and is paid for, as in :func:`laserlm.training.backbone.tail_kl`.
+    token drawn once (``R = V - U``, weight 1) the loss is exactly the tail KL over the full vocabulary. A row whose
+    tail is empty (its top-k is every column) has no tail term. Mass the student moves to a token outside the
+    teacher's top-k lands in the tail bucket and is paid for, as in :func:`laserlm.training.backbone.tail_kl`.
 
     Args:
         union_logits: ``[N, U]`` student logits on the union columns.
@@ -98,13 +98,17 @@ def sampled_tail_kl(union_logits: torch.Tensor, negative_logits: torch.Tensor, n
     rest = negative_logits.float() + negative_log_weight
     log_z = torch.logsumexp(torch.cat([s_u, rest], -1), -1)                          # [N]
     logq = s_u.gather(1, t_pos) - log_z.unsqueeze(-1)                                # [N, k]
-    others = s_u.scatter(1, t_pos, float("-inf"))                                    # the row's top-k removed
+    lowest = torch.finfo(torch.float32).min  # not -inf: an empty tail must not give a NaN gradient
+    others = s_u.scatter(1, t_pos, lowest)                                           # the row's top-k removed
+    has_tail = torch.ones_like(log_z, dtype=torch.bool) if rest.shape[-1] else (others > lowest).any(-1)
     logq_tail = torch.logsumexp(torch.cat([others, rest], -1), -1) - log_z           # [N]
     logp = t_lp.float()
-    p_tail = (1 - logp.exp().sum(-1)).clamp_min(0)
+    p = logp.exp()
+    p_tail = (1 - p.sum(-1)).clamp_min(0)
     tiny = torch.finfo(torch.float32).tiny
-    head = (logp.exp() * (logp - logq)).sum(-1)
-    tail = torch.where(p_tail > 0, p_tail * (p_tail.clamp_min(tiny).log() - logq_tail), torch.zeros_like(p_tail))
+    head = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p)).sum(-1)
+    tail = torch.where(has_tail & (p_tail > 0), p_tail * (p_tail.clamp_min(tiny).log() - logq_tail),
+                       torch.zeros_like(p_tail))
     return _reduce(head + tail, reduction)
 
 

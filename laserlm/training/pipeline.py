@@ -48,7 +48,7 @@ from .thresholds import (SHALLOW_MIN_EXITS, SHALLOW_SHARE, calibrate_threshold, 
                          candidate_thresholds, exit_decisions, fixed_sequence_test, position_losses, resolve_target,
                          shallow_exit_bias)
 from .train import (ExitOutputs, HeadTrainConfig, JointTrainConfig, compute_exit_outputs, head_loss_settings,
-                    joint_finetune, train_heads)
+                    joint_finetune, train_heads, vocab_size)
 
 
 @dataclass
@@ -609,7 +609,9 @@ def _threshold_settings(ctx):
 STAGES = (
     Stage("collect", _collect, _load_collect, settings=_collect_settings),
     Stage("heads", _heads, _load_heads, after=("collect",),
-          settings=lambda ctx: {"adapter": ctx["cfg"].adapter, "rank": ctx["cfg"].rank, **asdict(ctx["cfg"].heads)}),
+          settings=lambda ctx: {"adapter": ctx["cfg"].adapter, "rank": ctx["cfg"].rank, **asdict(ctx["cfg"].heads),
+                                "plan": head_loss_settings(ctx["cfg"].heads, vocab_size(ctx["engine"].adapter.lm_head)),
+                                "version": 2}),
     Stage("gates", _gates, _load_gates, after=("collect", "heads"),
           settings=lambda ctx: {"use_ats": ctx["cfg"].use_ats, "features": ctx["cfg"].gate_features,
                                 **asdict(ctx["cfg"].gates)}),
@@ -687,8 +689,7 @@ def _summary(ctx: dict, timings: dict, t_start: float) -> dict:
                     + ([w] if (w := (ctx.get("predictor_report") or {}).get("held_out", {}).get("warning")) else []),
         "text": ctx["text_report"],
         "head_kl_first_last": [head_curve[0], head_curve[-1]] if head_curve else None,
-        "head_loss": (ctx.get("head_report")
-                      or head_loss_settings(cfg.heads, int(engine.adapter.lm_head.weight.shape[0]))),
+        "head_loss": ctx.get("head_report"),
         "timings_s": {k: round(v, 1) for k, v in timings.items()},
         "settings": cfg.to_dict(),
     }
@@ -855,7 +856,7 @@ def format_summary(s: dict) -> str:
                      f"  {r['kl_untrained']:>9.3f} -> {r['kl_trained']:<6.3f}  {r['gate_auroc'] if r['gate_auroc'] is not None else float('nan'):>10.3f}"
                      f"  {r['exit_fraction']:>11.1%}")
     c, h = s["calibration"], s["held_out"]
-    if s.get("head_loss"):
+    if (s.get("head_loss") or {}).get("steps"):
         hl = s["head_loss"]
         lines.append(f"  exit heads: {hl['steps']} steps of the {hl['loss']} KL"
                      + (f" (teacher top {hl['teacher_topk']} + tail, {hl['negatives']} sampled tokens a step)"

@@ -40,10 +40,11 @@ from .losses import binary_focal_loss, kl_distillation, sampled_tail_kl
 
 HEAD_VOCAB = ("auto", "full", "sampled")
 # Above this vocabulary size ``vocab="auto"`` trains exit heads on the sampled loss. A full-vocabulary step on
-# Llama-3.2-1B (128,256 x 2,048 head, 16 exit points, 128 positions) is about 2 TFLOP; SmolLM2 (49,152) keeps
-# the exact loss its measured heads were trained with.
+# Llama-3.2-1B (128,256 x 2,048 head, 3 exit points, 128 positions: a teacher pass, then a forward and an input
+# gradient per exit) is about 0.47 TFLOP; SmolLM2 (49,152) keeps the exact loss its measured heads were trained with.
 SAMPLED_VOCAB_ABOVE = 65536
 HEAD_STEPS = {"full": 250, "sampled": 750}  # the head stage's default steps per loss (HeadTrainConfig.steps None)
+CHECK_POSITIONS = 256  # sampled loss: positions held back from its steps for the exact check (keep_better_heads)
 
 
 @dataclass
@@ -316,29 +317,35 @@ def sampled_columns(t_ids: torch.Tensor, vocab_size: int, negatives: int,
 
 @torch.no_grad()
 def keep_better_heads(heads: nn.ModuleDict, start: dict, teacher_fn, data: ExitStates,
-                      positions: int = 256) -> list[int]:
-    """Put back the starting adapter of every exit head whose exact (full-vocabulary) KL on the first ``positions``
-    positions of ``data`` is not below its starting adapter's; returns those exit points.
+                      positions: torch.Tensor | None = None, report: dict | None = None) -> list[int]:
+    """Put back the starting adapter of every exit head whose exact (full-vocabulary) KL on ``positions`` of ``data``
+    is not below its starting adapter's; returns those exit points.
 
     The sampled loss is an estimate: on a flat teacher distribution (random weights; most of the mass in the tail)
     its noise can move an adapter away from a better start, which this check undoes.
 
     Args:
         start: ``str(exit_point) -> state_dict`` of the heads before training.
-        teacher_fn: the full model's head, ``[n, d] -> [n, V]``.
+        teacher_fn: the full model's head in float32 (``Engine.head``), ``[n, d] -> [n, V]``.
+        positions: ``[n]`` int64 indices into ``data`` (positions the training steps did not read); None: all.
+        report: filled with ``exact_kl_start`` / ``exact_kl_trained`` (exit point -> mean KL, nats).
     """
-    idx = slice(0, min(positions, len(data)))
+    idx = positions if positions is not None else torch.arange(len(data))
     teacher = torch.log_softmax(teacher_fn(data.final_hidden[idx]).float(), -1)
-    reverted = []
+    reverted, before, after = [], {}, {}
     for e in data.exit_points:
         head, h = heads[str(e)], data.hidden[e][idx]
         trained = {k: v.clone() for k, v in head.state_dict().items()}
-        kl_trained = float(kl_distillation(head(h), teacher, reduction="mean"))
+        after[e] = float(kl_distillation(head(h), teacher, reduction="mean"))
         head.load_state_dict(start[str(e)])
-        if kl_trained < float(kl_distillation(head(h), teacher, reduction="mean")):
+        before[e] = float(kl_distillation(head(h), teacher, reduction="mean"))
+        if after[e] < before[e]:
             head.load_state_dict(trained)
         else:
             reverted.append(e)
+    if report is not None:
+        report.update(exact_kl_start={str(e): round(v, 5) for e, v in before.items()},
+                      exact_kl_trained={str(e): round(v, 5) for e, v in after.items()})
     return reverted
 
 
@@ -348,7 +355,8 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
 
     On a large vocabulary (``cfg.vocab``, :func:`head_vocab`) each step evaluates only the LM-head rows of the batch's
     teacher top-k and ``cfg.negatives`` sampled others (:func:`.losses.sampled_tail_kl`): on Llama-3.2-1B's 128k
-    vocabulary that is about 1/20 of the rows. The loss it reports is that estimate; evaluation
+    vocabulary at most 1/25 of the rows. A few positions (:data:`CHECK_POSITIONS`, spread over the data) are
+    held back from the steps for the exact check. The loss it reports is that estimate; evaluation
     (:func:`compute_exit_outputs`) and certification always use the full vocabulary, and a head whose exact KL
     ends no lower than where it started gets its starting adapter back (:func:`keep_better_heads`).
 
@@ -365,29 +373,39 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
     cfg.validate()
     params = [p for p in heads.parameters() if p.requires_grad]
     base = heads[str(data.exit_points[0])]._base
-    plan = head_loss_settings(cfg, base.lm_head.weight.shape[0])
+    plan = head_loss_settings(cfg, vocab_size(base.lm_head)) if params else {"loss": "none", "steps": 0}
     sampled, steps = plan["loss"] == "sampled", plan["steps"]
     if report is not None:
         report.update(plan, reverted=[])
-    if steps == 0 or not params:
+    if steps == 0:
         return []
     g = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps))
     n = len(data)
+    pool = None  # positions the steps draw from (None: all)
     losses = []
+    exact_teacher = teacher_fn
     fast = HeadLogits(base) if cfg.bf16_head and bf16_matmul_is_faster() else None
     if fast is not None:
         teacher_fn = fast
     if sampled:
         start = {str(e): {k: v.clone() for k, v in heads[str(e)].state_dict().items()} for e in data.exit_points}
-        full = fast if fast is not None else HeadLogits(base, base.lm_head.weight.dtype)
+        full = fast if fast is not None else HeadLogits(base, torch.float32)  # a float copy of the head: V x d x 4 B
         t_ids, t_lp = teacher_topk_of(teacher_fn, data.final_hidden, cfg.teacher_topk, progress=progress)
+        held = torch.zeros(n, dtype=torch.bool)
+        if n >= 4 * CHECK_POSITIONS:  # spread over the data (every document), never read by a step
+            held[torch.linspace(0, n - 1, CHECK_POSITIONS).long()] = True
+        check = torch.nonzero(held).squeeze(-1) if held.any() else None
+        pool = torch.nonzero(~held).squeeze(-1)
     control = GradientControl([[p for p in heads[str(e)].parameters() if p.requires_grad] for e in data.exit_points],
                               cfg.grad_clip, cfg.adaptive_clip, cfg.cross_layer_norm)
     bar = tqdm(range(steps), desc="train exit heads", unit="step", disable=not progress)
     for _ in bar:
-        idx = torch.randint(0, n, (min(cfg.batch_tokens, n),), generator=g)
+        if pool is None:
+            idx = torch.randint(0, n, (min(cfg.batch_tokens, n),), generator=g)
+        else:
+            idx = pool[torch.randint(0, pool.numel(), (min(cfg.batch_tokens, pool.numel()),), generator=g)]
         loss = 0.0
         if sampled:
             cols, t_pos, u, log_w = sampled_columns(t_ids[idx], full.vocab_size, cfg.negatives, g)
@@ -406,10 +424,16 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
         losses.append(_optimizer_step(loss, opt, sched, control))
         bar.set_postfix(kl=f"{losses[-1]:.3f}")
     if sampled:
-        reverted = keep_better_heads(heads, start, teacher_fn, data)
+        reverted = keep_better_heads(heads, start, exact_teacher, data, check, report)
         if report is not None:
             report["reverted"] = reverted
     return losses
+
+
+def vocab_size(lm_head: nn.Module) -> int:
+    """The LM head's output size, read without dequantizing a packed head (``out_features``)."""
+    n = getattr(lm_head, "out_features", None)
+    return int(n) if n is not None else int(lm_head.weight.shape[0])
 
 
 @dataclass
