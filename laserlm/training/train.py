@@ -394,7 +394,7 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
         full = fast if fast is not None else HeadLogits(base, torch.float32)  # a float copy of the head: V x d x 4 B
         t_ids, t_lp = teacher_topk_of(teacher_fn, data.final_hidden, cfg.teacher_topk, progress=progress)
         held = torch.zeros(n, dtype=torch.bool)
-        if n >= 4 * CHECK_POSITIONS:  # spread over the data (every document), never read by a step
+        if n >= 2 * CHECK_POSITIONS:  # spread over the data (every document), never read by a step
             held[torch.linspace(0, n - 1, CHECK_POSITIONS).long()] = True
         check = torch.nonzero(held).squeeze(-1) if held.any() else None
         pool = torch.nonzero(~held).squeeze(-1)
