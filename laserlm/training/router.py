@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..depth.router import POSITIONS, ROUTER_LAYER, DynamicRouter, Route, router_feature, run_after_router_layer
+from ..depth.router import POSITIONS, ROUTER_LAYER, DynamicRouter, Route, router_feature, run_after_router_layer, runs
 from ..errors import InvalidArgumentError
 from ..runtime.loop import greedy_ids
 from ..runtime.modes import FullDepth
@@ -101,28 +101,24 @@ def route_agreement(engine, heads: dict, routes: list[Route], prompt_ids: torch.
             prefix[j] = engine.run_layers(have, j, prefix[have], st)
         return prefix[j]
 
-    for j in sorted({_leading_run(r.kept) for r in routes if len(r.kept) < L}):
-        after(max(j, ROUTER_LAYER))
+    starts = [max(_prefix_end(r.kept), ROUTER_LAYER) for r in routes]
+    for j in sorted({j for r, j in zip(routes, starts) if len(r.kept) < L}):  # shallow first: one pass
+        after(j)
     rows = []
-    for r in routes:
+    for r, j in zip(routes, starts):
         if len(r.kept) == L:
             rows.append(torch.ones(m, dtype=torch.bool))
             continue
-        j = max(_leading_run(r.kept), ROUTER_LAYER)
         h = run_after_router_layer(engine, tuple(i for i in r.kept if i >= j), after(j), st)
         head = engine.head if r.exit is None else heads[r.exit]
         rows.append(head(h[0, p - 1: p - 1 + m]).argmax(-1) == continuation)
     return torch.stack(rows), h1[0, :p].float()
 
 
-def _leading_run(kept) -> int:
+def _prefix_end(kept) -> int:
     """``j`` such that ``kept`` starts with layers ``0..j-1`` (0 when it does not start at layer 0)."""
-    j = 0
-    for i in kept:
-        if i != j:
-            break
-        j += 1
-    return j
+    a, b = runs(kept)[0]
+    return b if a == 0 else 0
 
 
 @dataclass

@@ -74,7 +74,8 @@ class HeadTrainConfig:
             _check_positive("steps", self.steps, allow_zero=True)
         _check_positive("batch_tokens", self.batch_tokens)
         if self.vocab not in HEAD_VOCAB:
-            raise InvalidArgumentError(f"exit-head vocabulary must be one of {', '.join(HEAD_VOCAB)}, got {self.vocab!r}")
+            raise InvalidArgumentError(f"exit-head vocabulary must be one of {', '.join(HEAD_VOCAB)}, "
+                                       f"got {self.vocab!r}")
         _check_positive("teacher_topk", self.teacher_topk)
         _check_positive("negatives", self.negatives)
         _check_positive("lr", self.lr)
@@ -202,10 +203,6 @@ class HeadLogits:
         self.weight = model_adapter.lm_head.weight.detach().to(dtype)
         bias = getattr(model_adapter.lm_head, "bias", None)
         self.bias = bias.detach().float() if bias is not None else None
-
-    @property
-    def vocab_size(self) -> int:
-        return self.weight.shape[0]
 
     def rows(self, ids: torch.Tensor) -> HeadLogits:
         """The same head restricted to the vocabulary rows ``ids [V']`` (int64), in that order."""
@@ -373,7 +370,8 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
     cfg.validate()
     params = [p for p in heads.parameters() if p.requires_grad]
     base = heads[str(data.exit_points[0])]._base
-    plan = head_loss_settings(cfg, vocab_size(base.lm_head)) if params else {"loss": "none", "steps": 0}
+    V = vocab_size(base.lm_head)
+    plan = head_loss_settings(cfg, V) if params else {"loss": "none", "steps": 0}
     sampled, steps = plan["loss"] == "sampled", plan["steps"]
     if report is not None:
         report.update(plan, reverted=[])
@@ -383,7 +381,7 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
     opt = torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg.warmup_steps))
     n = len(data)
-    pool = None  # positions the steps draw from (None: all)
+    pool = torch.arange(n)  # the positions the steps draw from
     losses = []
     exact_teacher = teacher_fn
     fast = HeadLogits(base) if cfg.bf16_head and bf16_matmul_is_faster() else None
@@ -397,18 +395,15 @@ def train_heads(heads: nn.ModuleDict, teacher_fn, data: ExitStates, cfg: HeadTra
         if n >= 2 * CHECK_POSITIONS:  # spread over the data (every document), never read by a step
             held[torch.linspace(0, n - 1, CHECK_POSITIONS).long()] = True
         check = torch.nonzero(held).squeeze(-1) if held.any() else None
-        pool = torch.nonzero(~held).squeeze(-1)
+        pool = pool[~held]
     control = GradientControl([[p for p in heads[str(e)].parameters() if p.requires_grad] for e in data.exit_points],
                               cfg.grad_clip, cfg.adaptive_clip, cfg.cross_layer_norm)
     bar = tqdm(range(steps), desc="train exit heads", unit="step", disable=not progress)
     for _ in bar:
-        if pool is None:
-            idx = torch.randint(0, n, (min(cfg.batch_tokens, n),), generator=g)
-        else:
-            idx = pool[torch.randint(0, pool.numel(), (min(cfg.batch_tokens, pool.numel()),), generator=g)]
+        idx = pool[torch.randint(0, pool.numel(), (min(cfg.batch_tokens, pool.numel()),), generator=g)]
         loss = 0.0
         if sampled:
-            cols, t_pos, u, log_w = sampled_columns(t_ids[idx], full.vocab_size, cfg.negatives, g)
+            cols, t_pos, u, log_w = sampled_columns(t_ids[idx], V, cfg.negatives, g)
             part = full.rows(cols)
             for e in data.exit_points:
                 logits = part(heads[str(e)].adapt(data.hidden[e][idx]))
